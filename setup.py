@@ -1,0 +1,31 @@
+from setuptools import find_packages, setup
+
+EXTRAS = {
+    "deepspeed": ["deepspeed>=0.16"],
+    "quantization": ["bitsandbytes>=0.45"],
+    "dev": ["pytest>=8", "matplotlib>=3.8", "pyyaml>=6"],
+    "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
+    "examples": ["matplotlib>=3.8"],
+}
+EXTRAS["all"] = sorted({dep for deps in EXTRAS.values() for dep in deps})
+
+setup(
+    name="trl_unified",
+    version="0.1.0",
+    description="Policy trainers (RLOO, generative reward models) on one shared PolicyTrainerBase(transformers.Trainer)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    packages=find_packages(include=["trl_unified", "trl_unified.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=5.0,<6",
+        "trl>=1.16",
+        "accelerate>=1.4",
+        "datasets>=3.0",
+        "peft>=0.15",
+        "evaluate>=0.4",
+    ],
+    extras_require=EXTRAS,
+)

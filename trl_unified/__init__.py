@@ -1,0 +1,36 @@
+"""trl_unified: policy trainers on one shared PolicyTrainerBase(transformers.Trainer)."""
+
+__version__ = "0.1.0"
+
+from .base.answers import AnswerAccuracy, answers_match, extract_answer
+from .base.config import PolicyConfig
+from .base.data import RepeatSampler
+from .base.generation import GenerationOutput, build_generation_config, generate_batched, unwrap_for_generation
+from .base.logprobs import compute_token_logprobs, entropy_from_logits, selective_log_softmax
+from .base.papers import PAPERS
+from .base.reference import ReferenceModel
+from .base.rewards import RewardFunctions
+from .base.trainer import PolicyTrainerBase
+from .trainers.rloo import RLOOConfig, RLOOTrainer, rloo_advantages
+
+__all__ = [
+    "AnswerAccuracy",
+    "GenerationOutput",
+    "PAPERS",
+    "PolicyConfig",
+    "PolicyTrainerBase",
+    "RLOOConfig",
+    "RLOOTrainer",
+    "ReferenceModel",
+    "RepeatSampler",
+    "RewardFunctions",
+    "answers_match",
+    "build_generation_config",
+    "compute_token_logprobs",
+    "entropy_from_logits",
+    "extract_answer",
+    "generate_batched",
+    "rloo_advantages",
+    "selective_log_softmax",
+    "unwrap_for_generation",
+]

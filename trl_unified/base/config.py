@@ -1,0 +1,184 @@
+"""`PolicyConfig`: the `TrainingArguments` fields that every policy trainer shares, validated once."""
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from transformers import TrainingArguments
+
+from .answers import ANSWER_EXTRACTORS
+
+
+def document_fields(cls):
+    """Class decorator: append an HF-style `Parameters:` section built from each new field's `help`.
+
+    Each field is documented once, in its `metadata["help"]`; the docstring cannot drift from it.
+    """
+    parent_fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    lines = []
+    for f in dataclasses.fields(cls):
+        if f.name in parent_fields and f.name not in cls.__dict__.get("__annotations__", {}):
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        type_name = getattr(f.type, "__name__", str(f.type))
+        lines.append(f"    {f.name} (`{type_name}`, *optional*, defaults to `{default!r}`):")
+        lines.append(f"        {f.metadata.get('help', '')}")
+    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\nParameters:\n" + "\n".join(lines) + "\n"
+    return cls
+
+
+@document_fields
+@dataclass
+class PolicyConfig(TrainingArguments):
+    """Configuration shared by every trl_unified policy trainer.
+
+    Subclass it with the algorithm's own fields. Fields listed in `_unimplemented_fields` are accepted for
+    compatibility with TRL's configs but raise a `NotImplementedError` when set to a non-default value.
+    """
+
+    # Fields accepted for TRL compatibility whose feature is not implemented: {name: what to do instead}.
+    _unimplemented_fields: ClassVar[dict[str, str]] = {}
+
+    # TRL's defaults for TrainingArguments fields (same as trl's _BaseConfig).
+    logging_steps: float = field(
+        default=10,
+        metadata={"help": "Log every X update steps. An integer, or a float in [0, 1) read as a ratio of total steps."},
+    )
+    gradient_checkpointing: bool = field(
+        default=True,
+        metadata={"help": "Enable gradient checkpointing: less activation memory for ~20%% more compute."},
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={"help": "Use bf16 mixed precision. If not set, it defaults to `True` unless `fp16` is set."},
+    )
+    lr_scheduler_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "Extra keyword arguments for the learning-rate scheduler, e.g. {'num_cycles': 1}."},
+    )
+    use_liger_kernel: bool = field(
+        default=False,
+        metadata={"help": "Patch the model's layers with Liger kernels (deprecated in TRL)."},
+    )
+    torch_empty_cache_steps: int | None = field(
+        default=None,
+        metadata={"help": "Steps between `torch.<device>.empty_cache()` calls. If None, the cache is never emptied."},
+    )
+
+    # Model loading
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments for `from_pretrained` when `model` is a string (e.g. dtype, "
+            "attn_implementation, revision). A JSON string is accepted on the command line."
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Allow custom model code from the Hub when loading models and processors by id."},
+    )
+    disable_dropout: bool = field(
+        default=False,
+        metadata={"help": "Set every dropout probability of the policy and reference models to 0."},
+    )
+
+    # Generation (training and generative evaluation)
+    max_completion_length: int | None = field(
+        default=256,
+        metadata={"help": "Maximum number of tokens generated per completion."},
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "Sampling temperature; log-probs are computed from logits divided by it too."},
+    )
+    top_p: float = field(
+        default=1.0,
+        metadata={"help": "Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p."},
+    )
+    top_k: int = field(
+        default=0,
+        metadata={"help": "Keep only the top_k most likely tokens when sampling. 0 disables top-k filtering."},
+    )
+    min_p: float | None = field(
+        default=None,
+        metadata={"help": "Minimum token probability, relative to the most likely token's. None disables it."},
+    )
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={"help": "Penalty on tokens already in the prompt or completion. 1.0 means no penalty."},
+    )
+    cache_implementation: str | None = field(
+        default=None,
+        metadata={"help": "KV-cache implementation passed to `GenerationConfig` when generating."},
+    )
+    generation_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "Extra `GenerationConfig` keyword arguments; they override the fields above."},
+    )
+    chat_template_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "Extra keyword arguments for `apply_chat_template` (e.g. enable_thinking)."},
+    )
+
+    # Generative evaluation accuracy
+    generative_eval: bool = field(
+        default=True,
+        metadata={
+            "help": "During `evaluate`, generate for eval rows that carry a reference answer, extract the predicted "
+            "answer and log `eval_accuracy`. Rows without the answer field are skipped."
+        },
+    )
+    eval_answer_field: str = field(
+        default="answer",
+        metadata={"help": "Name of the eval-dataset column holding the reference answer for generative accuracy."},
+    )
+    answer_extractor: str = field(
+        default="tags",
+        metadata={
+            "help": "How an answer is read from a generation: 'tags' (<answer>...</answer>), 'boxed' (\\boxed{...}), "
+            "'auto' (tags, then boxed) or 'regex:<pattern>' (first capture group)."
+        },
+    )
+    eval_max_new_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Tokens generated per eval prompt for generative accuracy. None uses max_completion_length."},
+    )
+    eval_do_sample: bool = field(
+        default=False,
+        metadata={"help": "Sample during generative evaluation (with the sampling fields above) instead of greedy."},
+    )
+
+    def __post_init__(self):
+        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
+        for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
+            if isinstance(getattr(self, name), str):  # JSON from the command line
+                setattr(self, name, json.loads(getattr(self, name)))
+        super().__post_init__()
+        self._check_unimplemented_fields()
+        self._check_generation_fields()
+
+    def _check_unimplemented_fields(self):
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, advice in self._unimplemented_fields.items():
+            value = getattr(self, name)
+            if value != defaults[name]:
+                raise NotImplementedError(
+                    f"{name}={value!r} is accepted for compatibility with TRL but not implemented in trl_unified. "
+                    f"Leave it at its default ({defaults[name]!r}). {advice}"
+                )
+
+    def _check_generation_fields(self):
+        if self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature}, but it must be > 0. Use eval_do_sample=False for greedy.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]. Use 1.0 to disable nucleus sampling.")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k).")
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length={self.max_completion_length} must be >= 1.")
+        if self.answer_extractor not in ANSWER_EXTRACTORS and not self.answer_extractor.startswith("regex:"):
+            raise ValueError(
+                f"answer_extractor={self.answer_extractor!r} is not one of {sorted(ANSWER_EXTRACTORS)} "
+                "nor 'regex:<pattern>'."
+            )

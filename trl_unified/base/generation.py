@@ -1,0 +1,286 @@
+"""`generate_batched` and the "unwrap for generation" context, usable with or without a trainer."""
+
+import contextlib
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedTokenizerBase, ProcessorMixin
+
+from .data import is_conversational_prompt, pad
+
+
+@dataclass
+class GenerationOutput:
+    """What `generate_batched` returns, for `N` prompts.
+
+    Attributes:
+        prompt_ids (`torch.LongTensor`): `(N, P)`, left-padded prompt tokens (encoder inputs for encoder-decoders).
+        prompt_mask (`torch.LongTensor`): `(N, P)`, 1 on prompt tokens.
+        completion_ids (`torch.LongTensor`): `(N, C)`, right-padded with the pad token; cut after the first EOS.
+        completion_mask (`torch.LongTensor`): `(N, C)`, 1 up to and including the first EOS.
+        texts (`list[str]`): decoded completions (special tokens skipped); prompt + completion if not stripped.
+        is_truncated (`torch.BoolTensor`): `(N,)`, True where the completion hit the length limit without EOS.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    texts: list[str]
+    is_truncated: torch.Tensor
+
+    @property
+    def completion_ids_list(self) -> list[list[int]]:
+        """Completion tokens per row, padding removed (EOS kept)."""
+        return [ids[mask.bool()].tolist() for ids, mask in zip(self.completion_ids, self.completion_mask, strict=True)]
+
+
+def get_tokenizer(processing_class: PreTrainedTokenizerBase | ProcessorMixin) -> PreTrainedTokenizerBase:
+    """The tokenizer of a processor, or the tokenizer itself."""
+    return getattr(processing_class, "tokenizer", processing_class)
+
+
+def get_eos_token_ids(model, processing_class) -> list[int]:
+    """The tokenizer's EOS first, then any other EOS of the model's generation config (e.g. `<|im_end|>`)."""
+    tokenizer = get_tokenizer(processing_class)
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids = [tokenizer.eos_token_id, *ids]
+    return ids
+
+
+def build_generation_config(
+    args, processing_class, eos_token_ids: list[int], do_sample: bool = True, max_new_tokens: int | None = None
+) -> GenerationConfig:
+    """A `GenerationConfig` from a `PolicyConfig`'s sampling fields; `generation_kwargs` override them.
+
+    With `do_sample=False` the sampling fields are left out (greedy decoding).
+    """
+    tokenizer = get_tokenizer(processing_class)
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens or args.max_completion_length,
+        "do_sample": do_sample,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": eos_token_ids,
+        "cache_implementation": args.cache_implementation,
+        "repetition_penalty": args.repetition_penalty,
+    }
+    if do_sample:
+        kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    else:  # explicit neutral values, so the model's own sampling defaults cannot leak in
+        kwargs.update(temperature=None, top_p=None, top_k=None, min_p=None)
+    kwargs.update(args.generation_kwargs or {})
+    return GenerationConfig(**kwargs, disable_compile=True)
+
+
+def _deepspeed_zero3(accelerator) -> bool:
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
+@contextlib.contextmanager
+def _gathered_parameters(model, accelerator, gather_deepspeed3_params: bool):
+    """Gather ZeRO-3 shards once (or FSDP full params) for the whole generation call."""
+    if _deepspeed_zero3(accelerator) and gather_deepspeed3_params:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            yield
+        return
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover
+        FSDP = None
+    if FSDP is not None and isinstance(model, FSDP):
+        with FSDP.summon_full_params(model, writeback=False, recurse=False):
+            yield
+        return
+    if hasattr(model, "unshard") and hasattr(model, "reshard"):  # FSDP2 module
+        model.unshard()
+        try:
+            yield
+        finally:
+            model.reshard()
+        return
+    yield
+
+
+@contextlib.contextmanager
+def unwrap_for_generation(
+    model, accelerator=None, gather_deepspeed3_params: bool = True, generation_config: GenerationConfig | None = None
+):
+    """Yield the bare model ready for `generate`, then put everything back.
+
+    Inside: DDP/DeepSpeed wrappers removed, ZeRO-3 parameters gathered once (not per forward), gradient
+    checkpointing off (it disables the KV cache), eval mode (no dropout), and `generation_config` installed as the
+    model's own (so the checkpoint's sampling defaults cannot override it). On exit: checkpointing (with its original
+    kwargs), train/eval mode and the generation config are restored.
+    """
+    unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
+    base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+    was_training = unwrapped.training
+    # Flip the per-layer flags instead of disable/enable: that keeps the checkpoint function and its kwargs.
+    checkpointed = [m for m in unwrapped.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    saved_generation_config = getattr(base, "generation_config", None)
+    for module in checkpointed:
+        module.gradient_checkpointing = False
+    if generation_config is not None:
+        base.generation_config = generation_config
+    unwrapped.eval()
+    try:
+        with _gathered_parameters(model if accelerator is not None else unwrapped, accelerator, gather_deepspeed3_params):
+            yield unwrapped
+    finally:
+        if generation_config is not None:
+            base.generation_config = saved_generation_config
+        for module in checkpointed:
+            module.gradient_checkpointing = True
+        unwrapped.train(was_training)
+
+
+def _encode_prompts(processing_class, prompts, images, chat_template_kwargs) -> list[dict[str, Any]]:
+    """Tokenise each prompt to a dict (`input_ids` list, plus image tensors for processors)."""
+    if images is not None:
+        texts = [
+            processing_class.apply_chat_template(p, add_generation_prompt=True, tokenize=False, **chat_template_kwargs)
+            if is_conversational_prompt(p)
+            else p
+            for p in prompts
+        ]
+        return [
+            {k: v for k, v in processing_class(text=[t], images=imgs or None, return_tensors="pt").items()}
+            for t, imgs in zip(texts, images, strict=True)
+        ]
+    if prompts and is_conversational_prompt(prompts[0]):
+        encoded = processing_class.apply_chat_template(
+            list(prompts), add_generation_prompt=True, tokenize=True, return_dict=True, **chat_template_kwargs
+        )
+        return [{"input_ids": list(ids)} for ids in encoded["input_ids"]]
+    if prompts and isinstance(prompts[0], str):
+        tokenizer = get_tokenizer(processing_class)
+        return [{"input_ids": ids} for ids in tokenizer(list(prompts))["input_ids"]]
+    return [{"input_ids": list(p)} for p in prompts]  # already token ids
+
+
+def _collate_chunk(encoded: list[dict[str, Any]], pad_token_id: int, pad_to_multiple_of, device) -> dict[str, Any]:
+    ids = [torch.as_tensor(e["input_ids"]).view(-1) for e in encoded]
+    batch = {
+        "input_ids": pad(ids, pad_token_id, "left", pad_to_multiple_of).to(device),
+        "attention_mask": pad([torch.ones_like(t) for t in ids], 0, "left", pad_to_multiple_of).to(device),
+    }
+    for key in encoded[0]:
+        if key in ("input_ids", "attention_mask"):
+            continue
+        values = [e[key] for e in encoded]
+        batch[key] = torch.cat(values).to(device) if isinstance(values[0], torch.Tensor) else values
+    return batch
+
+
+def cut_after_eos(completion_ids: torch.Tensor, eos_token_ids: Sequence[int], pad_token_id: int):
+    """Mask (and pad) every token after the first EOS of each row; the EOS itself is kept.
+
+    Returns `(completion_ids, completion_mask, is_truncated)`; shapes `(N, C)`, `(N, C)`, `(N,)`.
+    """
+    is_eos = torch.isin(completion_ids, torch.tensor(list(eos_token_ids), device=completion_ids.device))
+    has_eos = is_eos.any(dim=1)
+    first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), completion_ids.size(1))  # (N,)
+    positions = torch.arange(completion_ids.size(1), device=completion_ids.device).expand_as(completion_ids)
+    mask = (positions <= first_eos.unsqueeze(1)).long()  # (N, C)
+    return completion_ids.masked_fill(mask == 0, pad_token_id), mask, ~has_eos
+
+
+@torch.no_grad()
+def generate_batched(
+    model,
+    processing_class: PreTrainedTokenizerBase | ProcessorMixin,
+    prompts: Sequence[str] | Sequence[Sequence[int]] | Sequence[list[dict]],
+    generation_config: GenerationConfig | None = None,
+    batch_size: int | None = None,
+    strip_prompt: bool = True,
+    accelerator=None,
+    gather_deepspeed3_params: bool = True,
+    images: Sequence[list | None] | None = None,
+    pad_to_multiple_of: int | None = None,
+    chat_template_kwargs: dict | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+) -> GenerationOutput:
+    """Generate completions for many prompts in batches of `batch_size`, with left padding.
+
+    Each chunk is padded on the left only to its own longest prompt; each completion is cut after its first EOS (the
+    EOS is kept, the rest is padding and masked). Greedy results equal per-prompt generation. The whole call runs
+    inside `unwrap_for_generation` (ZeRO-3 parameters gathered once, checkpointing off, modes restored).
+
+    Args:
+        model (`PreTrainedModel` or a wrapped/PEFT model):
+            Decoder-only or encoder-decoder model (or a vision-language model with `images`).
+        processing_class (`PreTrainedTokenizerBase` or `ProcessorMixin`):
+            Tokenizer or processor; its pad token pads, its tokenizer decodes.
+        prompts (`list[str]`, `list[list[int]]` or `list[list[dict]]`):
+            Plain texts, token ids, or conversations (the chat template is applied with a generation prompt).
+        generation_config (`GenerationConfig`, *optional*):
+            Decoding settings; defaults to the model's own generation config.
+        batch_size (`int`, *optional*):
+            Prompts per `generate` call. Defaults to all at once.
+        strip_prompt (`bool`, *optional*, defaults to `True`):
+            If `False`, `texts` hold prompt + completion (decoder-only models).
+        accelerator (`accelerate.Accelerator`, *optional*):
+            Used to unwrap DDP/DeepSpeed/FSDP models and to detect ZeRO-3.
+        gather_deepspeed3_params (`bool`, *optional*, defaults to `True`):
+            Gather ZeRO-3 parameters once per call (fast, needs the whole model in memory) instead of per layer.
+        images (`list[list[PIL.Image] | None]`, *optional*):
+            Images per prompt, for vision-language models with a processor.
+        pad_to_multiple_of (`int`, *optional*):
+            Pad each chunk's prompt length to a multiple of this.
+        chat_template_kwargs (`dict`, *optional*):
+            Extra arguments for `apply_chat_template`.
+        eos_token_ids (`list[int]`, *optional*):
+            Tokens that end a completion. Defaults to `get_eos_token_ids(model, processing_class)`.
+
+    Returns:
+        `GenerationOutput`, rows in the order of `prompts`.
+
+    Example:
+    ```python
+    >>> out = generate_batched(model, tokenizer, ["2+2=", "The capital of France is"], batch_size=2)
+    >>> out.texts, out.completion_mask.sum(1)
+    ```
+    """
+    tokenizer = get_tokenizer(processing_class)
+    unwrapped_for_config = accelerator.unwrap_model(model) if accelerator is not None else model
+    eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else get_eos_token_ids(unwrapped_for_config, tokenizer)
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+    encoded = _encode_prompts(processing_class, prompts, images, chat_template_kwargs or {})
+    batch_size = batch_size or max(len(encoded), 1)
+    device = accelerator.device if accelerator is not None else next(unwrapped_for_config.parameters()).device
+
+    completions = []
+    with unwrap_for_generation(model, accelerator, gather_deepspeed3_params, generation_config) as unwrapped:
+        is_encoder_decoder = getattr(unwrapped.config, "is_encoder_decoder", False)
+        if is_encoder_decoder and generation_config is not None and generation_config.decoder_start_token_id is None:
+            generation_config = copy.deepcopy(generation_config)
+            generation_config.decoder_start_token_id = unwrapped.config.decoder_start_token_id
+        for start in range(0, len(encoded), batch_size):
+            chunk = _collate_chunk(encoded[start : start + batch_size], pad_token_id, pad_to_multiple_of, device)
+            sequences = unwrapped.generate(**chunk, generation_config=generation_config)
+            # decoder-only: drop the prompt; encoder-decoder: drop the decoder start token
+            new_tokens = sequences[:, 1:] if is_encoder_decoder else sequences[:, chunk["input_ids"].size(1) :]
+            completions.extend(new_tokens.cpu())
+
+    prompt_tensors = [torch.as_tensor(e["input_ids"]).view(-1) for e in encoded]
+    prompt_ids = pad(prompt_tensors, pad_token_id, "left", pad_to_multiple_of).to(device)
+    prompt_mask = pad([torch.ones_like(t) for t in prompt_tensors], 0, "left", pad_to_multiple_of).to(device)
+    completion_ids = pad(completions, pad_token_id, "right").to(device)
+    completion_ids, completion_mask, is_truncated = cut_after_eos(completion_ids, eos_token_ids, pad_token_id)
+    width = int(completion_mask.sum(1).max()) if len(completions) else 0  # drop columns that are padding everywhere
+    completion_ids, completion_mask = completion_ids[:, :width], completion_mask[:, :width]
+    kept = [ids[m.bool()].tolist() for ids, m in zip(completion_ids, completion_mask, strict=True)]
+    if strip_prompt or is_encoder_decoder:
+        texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
+    else:
+        texts = tokenizer.batch_decode([p.tolist() + c for p, c in zip(prompt_tensors, kept)], skip_special_tokens=True)
+    return GenerationOutput(prompt_ids, prompt_mask, completion_ids, completion_mask, texts, is_truncated)

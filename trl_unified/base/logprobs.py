@@ -1,0 +1,120 @@
+"""Per-token log-probs and entropies of completion tokens, computed only where needed."""
+
+from dataclasses import dataclass
+
+import torch
+
+# Rows per log-softmax chunk are chosen so one chunk's float32 logits stay under this many elements.
+_CHUNK_ELEMENTS = 2**25
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+    """`log_softmax(logits)` gathered at `index`, without materialising the full-vocabulary log-softmax.
+
+    Rows are processed `chunk_size` at a time in float32: `logit[index] - logsumexp(logits)`.
+    Naive equivalent: `torch.log_softmax(logits.float(), -1).gather(-1, index.unsqueeze(-1)).squeeze(-1)`.
+
+    Args:
+        logits (`torch.Tensor`): `(B, T, V)`.
+        index (`torch.LongTensor`): `(B, T)`.
+        chunk_size (`int`, *optional*): rows per chunk; chosen from the vocabulary size if not given.
+
+    Returns:
+        `torch.Tensor`: `(B, T)` float32 log-probabilities.
+    """
+    chunk_size = chunk_size or max(1, _CHUNK_ELEMENTS // max(1, logits.size(1) * logits.size(2)))
+    out = []
+    for rows, idx in zip(logits.split(chunk_size), index.split(chunk_size), strict=True):
+        rows = rows.float()
+        out.append(rows.gather(-1, idx.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(rows, dim=-1))
+    return torch.cat(out)
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
+    """Entropy `H = logsumexp(z) - sum_v softmax(z)_v z_v` per position, chunked over rows in float32.
+
+    Naive equivalent: `-(p * p.log()).sum(-1)` with `p = softmax(logits)`. `(B, T, V)` -> `(B, T)`.
+    """
+    chunk_size = chunk_size or max(1, _CHUNK_ELEMENTS // max(1, logits.size(1) * logits.size(2)))
+    out = []
+    for rows in logits.split(chunk_size):
+        rows = rows.float()
+        probs = torch.softmax(rows, dim=-1)
+        out.append(torch.logsumexp(rows, dim=-1) - (probs * rows).sum(-1))
+    return torch.cat(out)
+
+
+@dataclass
+class TokenLogprobs:
+    """Per-token log-probs `(B, C)`, entropies `(B, C)` or None, and the MoE auxiliary loss or None."""
+
+    logps: torch.Tensor
+    entropy: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+def compute_token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    batch_size: int | None = None,
+    output_router_logits: bool = False,
+    **forward_kwargs,
+) -> TokenLogprobs:
+    """Log-probs of the last `logits_to_keep` tokens of `input_ids` under `model`, with logits divided by `temperature`.
+
+    Only the `logits_to_keep + 1` last positions are projected to the vocabulary (the model's `logits_to_keep`),
+    and log-softmax is chunked (see `selective_log_softmax`). Rows are run through the model `batch_size` at a time
+    when given (a memory cap for the no-grad reference pass).
+
+    Args:
+        model: a causal LM (or PEFT/VLM wrapper) whose forward accepts `logits_to_keep`.
+        input_ids (`torch.LongTensor`): `(B, P + C)` prompt then completion tokens.
+        attention_mask (`torch.LongTensor`): `(B, P + C)`.
+        logits_to_keep (`int`): `C`, the number of completion positions to score.
+        temperature (`float`, *optional*, defaults to `1.0`): the sampling temperature.
+        compute_entropy (`bool`, *optional*, defaults to `False`): also return per-token entropies.
+        batch_size (`int`, *optional*): rows per forward pass; all rows at once by default.
+        output_router_logits (`bool`, *optional*, defaults to `False`): return the MoE load-balancing loss.
+        **forward_kwargs: other model inputs with a leading batch dimension (e.g. `token_type_ids`), or, for
+            vision-language models, the full image tensors (then `batch_size` must cover the whole batch).
+
+    Returns:
+        `TokenLogprobs` with `logps` `(B, C)` float32.
+
+    Example:
+    ```python
+    >>> out = compute_token_logprobs(model, ids, mask, logits_to_keep=completion_ids.size(1))
+    >>> seq_logps = (out.logps * completion_mask).sum(1)  # (B,)
+    ```
+    """
+    batch_size = batch_size or input_ids.size(0)
+    logps, entropies, aux_losses = [], [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        rows = slice(start, start + batch_size)
+        kwargs = {
+            k: v[rows] if isinstance(v, torch.Tensor) and v.size(0) == input_ids.size(0) and batch_size < input_ids.size(0) else v
+            for k, v in forward_kwargs.items()
+        }
+        if output_router_logits:
+            kwargs["output_router_logits"] = True
+        outputs = model(
+            input_ids=input_ids[rows], attention_mask=attention_mask[rows], logits_to_keep=logits_to_keep + 1, **kwargs
+        )
+        logits = outputs.logits[:, -(logits_to_keep + 1) : -1, :]  # (b, C, V): position t predicts token t + 1
+        if temperature != 1.0:
+            logits = logits / temperature
+        logps.append(selective_log_softmax(logits, input_ids[rows, -logits_to_keep:]))
+        if compute_entropy:
+            with torch.no_grad():
+                entropies.append(entropy_from_logits(logits))
+        if output_router_logits and getattr(outputs, "aux_loss", None) is not None:
+            aux_losses.append(outputs.aux_loss)
+    return TokenLogprobs(
+        logps=torch.cat(logps),
+        entropy=torch.cat(entropies) if compute_entropy else None,
+        aux_loss=torch.stack(aux_losses).mean() if aux_losses else None,
+    )

@@ -1,0 +1,152 @@
+"""Loading the policy and its processing class from a model id or object; PEFT and quantisation set-up."""
+
+import logging
+import os
+
+import torch
+from accelerate.utils import is_peft_model
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForSeq2SeqLM,
+    AutoProcessor,
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+    ProcessorMixin,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def model_id_of(model) -> str:
+    """The id or path a model was loaded from (`config._name_or_path`), or its class name if built in memory."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(model.config, "_name_or_path", "") or type(model).__name__
+
+
+def _auto_class_for(config):
+    if getattr(config, "is_encoder_decoder", False):
+        return AutoModelForSeq2SeqLM
+    if getattr(config, "vision_config", None) is not None:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
+def from_pretrained_checked(auto_class, model_id: str, what: str, **kwargs):
+    """`auto_class.from_pretrained(model_id)` with an error that says what to do when the id cannot be resolved."""
+    try:
+        return auto_class.from_pretrained(model_id, **kwargs)
+    except (OSError, ValueError) as e:
+        hint = (
+            "It is not a local directory"
+            + (" and the Hugging Face Hub is unreachable or offline (HF_HUB_OFFLINE)" if not os.path.isdir(model_id) else "")
+            + ". Pass a local path to a saved model, or a model object."
+        )
+        raise ValueError(f"Could not load the {what} {model_id!r}: {e.__class__.__name__}: {e}. {hint}") from e
+
+
+def load_model(model_id: str, args, quantization_config=None, what: str = "policy model"):
+    """Load a causal LM, seq2seq or vision-language model by id/path with `args.model_init_kwargs`.
+
+    The auto class is chosen from the config (encoder-decoder → Seq2SeqLM, `vision_config` → ImageTextToText, else
+    CausalLM). `device_map` is dropped under distributed training, where accelerate places the model.
+    """
+    kwargs = dict(args.model_init_kwargs or {})
+    if quantization_config is not None:
+        if "quantization_config" in kwargs:
+            raise ValueError(
+                "quantization_config is set both as a trainer argument and in args.model_init_kwargs. Set it once, "
+                "preferably as the trainer argument."
+            )
+        kwargs["quantization_config"] = quantization_config
+    if args.distributed_state.distributed_type in ("MULTI_GPU", "MULTI_CPU", "DEEPSPEED", "FSDP"):
+        kwargs["device_map"] = None
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    config = from_pretrained_checked(
+        AutoConfig, model_id, what, trust_remote_code=kwargs["trust_remote_code"], revision=kwargs.get("revision")
+    )
+    return from_pretrained_checked(_auto_class_for(config), model_id, what, **kwargs)
+
+
+def load_processing_class(processing_class, model, args):
+    """Return the processing class, loading it from the model's id when not given.
+
+    Pad-token rule: when the tokenizer has no pad token, the EOS token is used as pad token. This is safe because
+    attention masks, not token values, decide what is padding, and completion masks end at the first EOS.
+    """
+    if processing_class is None:
+        model_id = model_id_of(model)
+        try:
+            processing_class = AutoProcessor.from_pretrained(
+                model_id, padding_side="left", truncation_side="left", trust_remote_code=args.trust_remote_code
+            )
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"No processing class was given and none could be loaded from {model_id!r} ({e}). Pass "
+                "processing_class=AutoTokenizer.from_pretrained(<path>) explicitly."
+            ) from e
+    if not isinstance(processing_class, (PreTrainedTokenizerBase, ProcessorMixin)):
+        raise TypeError(
+            f"processing_class must be a tokenizer or a processor, got {type(processing_class).__name__}."
+        )
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.pad_token is None:
+        raise ValueError("The tokenizer has neither a pad token nor an EOS token. Set tokenizer.pad_token first.")
+    return processing_class
+
+
+def is_quantized(model) -> bool:
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+
+
+def apply_peft(model, peft_config, args):
+    """Wrap `model` with a new adapter from `peft_config` (k-bit preparation first when quantised).
+
+    Returns `(model, adapter_is_pretrained)`: False for a fresh adapter (its disabled state is the base model, a
+    valid reference), True when `model` already arrived as a `PeftModel` (its adapter was trained before).
+    """
+    if peft_config is None:
+        if is_quantized(model) and not is_peft_model(model):
+            raise ValueError(
+                "The policy is quantised (4/8-bit) but no peft_config was given: quantised weights cannot be trained. "
+                "Pass peft_config=LoraConfig(...) (QLoRA)."
+            )
+        return model, is_peft_model(model)
+    from peft import PeftConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if not isinstance(peft_config, PeftConfig):
+        raise TypeError(f"peft_config must be a peft.PeftConfig (e.g. LoraConfig), got {type(peft_config).__name__}.")
+    if is_peft_model(model):
+        raise ValueError(
+            "The model is already a PeftModel and a peft_config was also given. Merge and unload the existing adapter "
+            "first (model.merge_and_unload()), or pass the PeftModel without peft_config to keep training its adapter."
+        )
+    if is_quantized(model):
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=bool(args.gradient_checkpointing),
+            gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
+        )
+    model = get_peft_model(model, peft_config)
+    return model, False
+
+
+def prepare_peft_checkpointing(model, args) -> None:
+    """With PEFT and gradient checkpointing, the frozen embeddings must still pass gradients to checkpointed blocks."""
+    if is_peft_model(model) and args.gradient_checkpointing:
+        model.enable_input_require_grads()
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set the probability of every `nn.Dropout` in `model` to 0."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def load_tokenizer(model_id: str, args):
+    """`AutoTokenizer.from_pretrained` with the shared error message (used for reward models)."""
+    return from_pretrained_checked(AutoTokenizer, model_id, "tokenizer", trust_remote_code=args.trust_remote_code)

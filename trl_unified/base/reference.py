@@ -1,0 +1,180 @@
+"""The reference model: build it, freeze it, prepare it for the distributed engine, and hand it out."""
+
+import contextlib
+import copy
+from copy import deepcopy
+
+import torch
+from accelerate.utils import is_peft_model
+
+from .models import disable_dropout, load_model
+
+REF_ADAPTER = "ref"
+
+
+class ReferenceModel:
+    """One handle on the reference policy, whatever form it takes. Use it only through `use()`:
+
+    ```python
+    with trainer.reference.use() as ref_model:
+        ref_logps = compute_token_logprobs(ref_model, ids, mask, logits_to_keep).logps
+    ```
+
+    Kinds:
+      - `"none"`: the algorithm needs no reference (e.g. `beta == 0`); `use()` raises.
+      - `"adapter_disabled"`: PEFT policy with a fresh adapter: the policy with its adapter disabled *is* the base
+        model, so no copy is kept.
+      - `"ref_adapter"`: PEFT policy that arrived with a pretrained adapter: disabling it would give the base model,
+        not the starting policy, so a frozen copy of the adapter, named "ref", is switched in.
+      - `"copy"`: a separate frozen model in eval mode (from `ref_model`, or a deep copy of the policy), prepared by
+        accelerate / DeepSpeed / FSDP.
+    """
+
+    def __init__(self, kind: str, model: torch.nn.Module | None = None, policy: torch.nn.Module | None = None):
+        self.kind, self.model, self.policy = kind, model, policy
+
+    @classmethod
+    def build(cls, policy, ref_model, args, needed: bool, adapter_is_pretrained: bool, quantization_config=None):
+        """Build (before `accelerator.prepare`) the reference for `policy`. See the class docstring for the rules."""
+        if not needed:
+            if ref_model is not None:
+                raise ValueError(
+                    "A ref_model was given but this configuration uses no reference model (e.g. beta=0.0). "
+                    "Set beta > 0 or drop ref_model."
+                )
+            return cls("none")
+        if is_peft_model(policy):
+            if ref_model is not None:
+                raise ValueError(
+                    "ref_model was given together with a PEFT policy. With PEFT the reference is the policy with its "
+                    "adapter disabled (or a frozen copy of a pretrained adapter); drop ref_model."
+                )
+            if adapter_is_pretrained:
+                _add_frozen_ref_adapter(policy)
+                return cls("ref_adapter", policy=policy)
+            return cls("adapter_disabled", policy=policy)
+        if isinstance(ref_model, str):
+            ref = load_model(ref_model, args, quantization_config, what="reference model")
+        elif ref_model is not None:
+            ref = ref_model
+        elif _is_zero3_partitioned(policy):
+            # A ZeRO-3 partitioned policy cannot be deep-copied: reload it, partitioned the same way.
+            ref = load_model(policy.config._name_or_path, args, quantization_config, what="reference model")
+        else:
+            # A deep copy works for models built in memory and never saved (reloading by name would fail there).
+            ref = copy.deepcopy(policy)
+        if args.disable_dropout:
+            disable_dropout(ref)
+        ref.requires_grad_(False)
+        return cls("copy", model=ref.eval())
+
+    def prepare(self, accelerator) -> None:
+        """Place the separate reference on the engine in use: DeepSpeed (ZeRO-3 stays sharded, lower stages run
+        inference-only), FSDP (sharded like the policy), or device placement without DDP."""
+        if self.kind != "copy":
+            return
+        if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
+            self.model = _prepare_deepspeed(self.model, accelerator)
+        elif getattr(accelerator.state, "fsdp_plugin", None) is not None:
+            self.model = _prepare_fsdp(self.model, accelerator)
+        else:
+            self.model = accelerator.prepare_model(self.model, evaluation_mode=True)
+        self.model.eval()
+
+    @property
+    def available(self) -> bool:
+        return self.kind != "none"
+
+    @contextlib.contextmanager
+    def use(self, accelerator=None, policy_wrapped=None):
+        """Yield the model that computes reference outputs; with PEFT, the policy in its reference state."""
+        if self.kind == "none":
+            raise RuntimeError("This trainer has no reference model (beta == 0). Check trainer.reference.available.")
+        if self.kind == "copy":
+            yield self.model
+            return
+        peft_model = accelerator.unwrap_model(policy_wrapped) if accelerator is not None else self.policy
+        callable_model = policy_wrapped if policy_wrapped is not None else self.policy
+        if self.kind == "adapter_disabled":
+            with peft_model.disable_adapter():
+                yield callable_model
+            return
+        active = peft_model.active_adapter
+        peft_model.set_adapter(REF_ADAPTER)
+        try:
+            yield callable_model
+        finally:
+            peft_model.set_adapter(active)
+            _freeze_adapter(peft_model, REF_ADAPTER)
+
+
+def _freeze_adapter(model, name: str) -> None:
+    for param_name, param in model.named_parameters():
+        if f".{name}." in param_name:
+            param.requires_grad_(False)
+
+
+def _add_frozen_ref_adapter(model) -> None:
+    """Add adapter "ref" as a frozen copy of the active adapter (its weights as they arrived)."""
+    active = model.active_adapter
+    model.add_adapter(REF_ADAPTER, model.peft_config[active])
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        if f".{active}." in name:
+            params[name.replace(f".{active}.", f".{REF_ADAPTER}.")].data.copy_(param.data)
+    model.set_adapter(active)
+    _freeze_adapter(model, REF_ADAPTER)
+
+
+def _is_zero3_partitioned(model) -> bool:
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _prepare_deepspeed(model, accelerator):
+    import deepspeed
+
+    config = deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+    stage = config["zero_optimization"]["stage"]
+    hidden = getattr(model.config, "hidden_size", None)
+    if hidden is not None and stage == 3:
+        config["zero_optimization"].update(
+            reduce_bucket_size=hidden * hidden,
+            stage3_param_persistence_threshold=10 * hidden,
+            stage3_prefetch_bucket_size=int(0.9 * hidden * hidden),
+        )
+    for key in ("optimizer", "scheduler"):
+        config.pop(key, None)
+    config["zero_optimization"].pop("offload_optimizer", None)
+    if stage != 3:  # ZeRO-1/2 shard optimizer state only: an inference-only engine (stage 0) suffices
+        config["zero_optimization"]["stage"] = 0
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    return engine
+
+
+def _prepare_fsdp(model, accelerator):
+    plugin = accelerator.state.fsdp_plugin
+    if getattr(plugin, "fsdp_version", 1) == 2:
+        from torch.distributed.fsdp import fully_shard
+
+        layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+        for module in model.modules():
+            if type(module).__name__ in layer_classes:
+                fully_shard(module)
+        fully_shard(model)
+        return model
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    plugin.set_auto_wrap_policy(model)
+    return FSDP(
+        model,
+        sharding_strategy=plugin.sharding_strategy,
+        cpu_offload=plugin.cpu_offload,
+        auto_wrap_policy=plugin.auto_wrap_policy,
+        mixed_precision=plugin.mixed_precision_policy,
+        sync_module_states=plugin.sync_module_states,
+        backward_prefetch=plugin.backward_prefetch,
+        forward_prefetch=plugin.forward_prefetch,
+        use_orig_params=plugin.use_orig_params,
+        limit_all_gathers=plugin.limit_all_gathers,
+        device_id=accelerator.device,
+    )

@@ -1,0 +1,183 @@
+"""Reward functions and reward models: loading, calling with TRL's convention, weighting, NaN handling."""
+
+import asyncio
+import inspect
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
+from trl import apply_chat_template, is_conversational
+
+from .models import from_pretrained_checked, load_tokenizer, model_id_of
+
+RewardFunc = str | PreTrainedModel | Callable[..., list[float | None]]
+
+
+def _name_of(func) -> str:
+    if isinstance(func, nn.Module):
+        return model_id_of(func).rstrip("/").split("/")[-1]
+    return getattr(func, "__name__", type(func).__name__)
+
+
+def _is_async(func) -> bool:
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+
+
+class _EventLoopThread:
+    """A daemon thread running one asyncio loop, so async reward functions run concurrently from sync code."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True, name="trl_unified-rewards").start()
+
+    def run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+
+class RewardFunctions:
+    """The reward functions of a trainer, called with TRL's convention.
+
+    Each function is one of:
+      - a callable `f(prompts, completions, completion_ids, **kwargs) -> list[float | None]`, where kwargs hold
+        every extra dataset column (one value per row), `trainer_state`, `log_metric(name, value)` and
+        `log_extra(column, values)`; `None` means "not applicable to this row" (NaN internally);
+      - an `async def` function with the same signature (all async functions of a call run concurrently);
+      - a sequence-classification model, or its id/path: its single logit is the reward; it reads
+        `prompt + completion` (or the chat-templated conversation) with its own tokenizer.
+    """
+
+    def __init__(self, reward_funcs, reward_processing_classes, reward_weights, args, policy_tokenizer=None):
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not funcs:
+            raise ValueError("reward_funcs is empty: pass at least one reward function or reward model.")
+        funcs = [self._load(f, args) if isinstance(f, str) else f for f in funcs]
+        for i, f in enumerate(funcs):
+            if not (callable(f) or isinstance(f, nn.Module)):
+                raise TypeError(f"reward_funcs[{i}] is a {type(f).__name__}: expected a callable, a model or a model id.")
+        self.funcs, self.names = funcs, [_name_of(f) for f in funcs]
+        self.processing_classes = self._processing_classes(reward_processing_classes, args, policy_tokenizer)
+        if reward_weights is not None and len(reward_weights) != len(funcs):
+            raise ValueError(
+                f"reward_weights has {len(reward_weights)} values but there are {len(funcs)} reward functions "
+                f"({self.names}). Give one weight per reward function."
+            )
+        self.weights = torch.tensor(reward_weights if reward_weights is not None else [1.0] * len(funcs))
+        self._loop = _EventLoopThread() if any(_is_async(f) for f in funcs) else None
+
+    @staticmethod
+    def _load(model_id: str, args) -> PreTrainedModel:
+        kwargs = dict(args.model_init_kwargs or {})
+        kwargs.pop("quantization_config", None)
+        if args.distributed_state.distributed_type in ("MULTI_GPU", "MULTI_CPU", "DEEPSPEED", "FSDP"):
+            kwargs["device_map"] = None
+        kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+        return from_pretrained_checked(
+            AutoModelForSequenceClassification, model_id, "reward model", num_labels=1, **kwargs
+        )
+
+    def _processing_classes(self, classes, args, policy_tokenizer):
+        classes = list(classes) if isinstance(classes, (list, tuple)) else [classes] * len(self.funcs) if classes is not None else [None] * len(self.funcs)
+        if len(classes) != len(self.funcs):
+            raise ValueError(
+                f"reward_processing_classes has {len(classes)} entries but there are {len(self.funcs)} reward functions."
+            )
+        for i, (func, cls) in enumerate(zip(self.funcs, classes, strict=True)):
+            if not isinstance(func, PreTrainedModel):
+                continue
+            if cls is None:
+                cls = load_tokenizer(model_id_of(func), args)
+            if not isinstance(cls, PreTrainedTokenizerBase):
+                raise TypeError(f"reward_processing_classes[{i}] must be a tokenizer, got {type(cls).__name__}.")
+            if cls.pad_token is None:
+                cls.pad_token = cls.eos_token
+            func.config.pad_token_id = cls.pad_token_id
+            vocab = func.get_input_embeddings().num_embeddings
+            if len(cls) > vocab:
+                raise ValueError(
+                    f"The tokenizer for reward model {self.names[i]!r} has {len(cls)} tokens but the model's embedding "
+                    f"has {vocab} rows: they do not belong together. Pass the reward model's own tokenizer in "
+                    "reward_processing_classes."
+                )
+            classes[i] = cls
+        return classes
+
+    def models(self) -> list[tuple[int, PreTrainedModel]]:
+        return [(i, f) for i, f in enumerate(self.funcs) if isinstance(f, nn.Module)]
+
+    def _score_with_model(self, model, tokenizer, prompts, completions, device, chat_template_kwargs):
+        if is_conversational({"prompt": prompts[0]}):
+            texts = [
+                apply_chat_template({"messages": p + c}, tokenizer, **chat_template_kwargs)["text"]
+                for p, c in zip(prompts, completions, strict=True)
+            ]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+        inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        with torch.inference_mode():
+            return model(**{k: v.to(device) for k, v in inputs.items()}).logits[:, 0].float().cpu().tolist()
+
+    def _check(self, name: str, values, expected: int) -> list[float]:
+        if values is None or not hasattr(values, "__len__"):
+            raise TypeError(f"Reward function {name!r} returned {type(values).__name__}; it must return a list of floats.")
+        if len(values) != expected:
+            raise ValueError(
+                f"Reward function {name!r} returned {len(values)} rewards for {expected} completions. Return exactly "
+                "one reward (or None) per completion."
+            )
+        out = []
+        for v in values:
+            v = float("nan") if v is None else float(v)
+            out.append(v)
+        return out
+
+    def __call__(
+        self,
+        prompts: list,
+        completions: list,
+        completion_ids: list[list[int]],
+        extra_columns: dict[str, list[Any]],
+        device,
+        chat_template_kwargs: dict | None = None,
+        **hooks,
+    ) -> torch.Tensor:
+        """Score every completion with every function. Returns `(N, num_funcs)` float32 rewards; NaN = not applicable.
+
+        `hooks` are passed to callables as keyword arguments (`trainer_state`, `log_metric`, `log_extra`).
+        """
+        n = len(prompts)
+        kwargs = {**extra_columns, **hooks}
+        out = torch.full((n, len(self.funcs)), float("nan"), dtype=torch.float32)
+        pending = []
+        for i, (func, name) in enumerate(zip(self.funcs, self.names, strict=True)):
+            try:
+                if isinstance(func, nn.Module):
+                    values = self._score_with_model(
+                        func, self.processing_classes[i], prompts, completions, device, chat_template_kwargs or {}
+                    )
+                elif _is_async(func):
+                    pending.append((i, name, func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)))
+                    continue
+                else:
+                    values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+            except Exception as e:
+                raise RuntimeError(f"Reward function {name!r} raised {e.__class__.__name__}: {e}") from e
+            out[:, i] = torch.tensor(self._check(name, values, n))
+        if pending:
+            async def gather_all():
+                return await asyncio.gather(*(coro for _, _, coro in pending), return_exceptions=True)
+
+            for (i, name, _), values in zip(pending, self._loop.run(gather_all()), strict=True):
+                if isinstance(values, BaseException):
+                    raise RuntimeError(f"Reward function {name!r} raised {values.__class__.__name__}: {values}") from values
+                out[:, i] = torch.tensor(self._check(name, values, n))
+        return out.to(device)
+
+    def combine(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
+        """Weighted sum over functions, ignoring NaN (not applicable) entries; a row where every function returned
+        None stays NaN ("unscorable"). `(N, F)` -> `(N,)`."""
+        weighted = (rewards_per_func * self.weights.to(rewards_per_func.device)).nansum(dim=1)
+        return weighted.masked_fill(torch.isnan(rewards_per_func).all(dim=1), math.nan)

@@ -1,0 +1,414 @@
+"""`PolicyTrainerBase`: the plumbing every policy trainer shares, written once on top of `transformers.Trainer`."""
+
+import json
+import logging
+import math
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object, set_seed
+from datasets import Dataset, IterableDataset
+from transformers import Trainer
+
+from .answers import AnswerAccuracy, answers_match, extract_answer
+from .config import PolicyConfig
+from .data import RepeatSampler, column_names, get_images, shuffle_batch, split_batch
+from .generation import build_generation_config, generate_batched, get_eos_token_ids, get_tokenizer
+from .logprobs import TokenLogprobs, compute_token_logprobs
+from .model_card import write_model_card
+from .models import (
+    apply_peft,
+    disable_dropout,
+    load_model,
+    load_processing_class,
+    model_id_of,
+    prepare_peft_checkpointing,
+)
+from .reference import ReferenceModel
+
+logger = logging.getLogger(__name__)
+
+
+def _identity(rows):
+    return rows
+
+
+class PolicyTrainerBase(Trainer):
+    """Base of every trl_unified trainer: model loading, reference model, generation, log-probs, evaluation with
+    generative accuracy, metric logging, model cards.
+
+    A subclass sets `_name`, `_paper` (a `PAPERS` entry), `config_class`, and implements:
+
+    - `compute_policy_loss(model, inputs, num_items_in_batch)` → loss tensor, or `(loss, model_outputs)`;
+      record metrics with `self.log_metric(name, value)`.
+    - `needs_reference(args)` → whether a reference model is built (default: False).
+    - For online algorithms (`_online = True`): `generate_and_score(rows)` → a dict of per-row tensors/lists for
+      the whole local generation batch. The base buffers it, shuffles it and hands out one micro-batch per
+      optimisation micro-step (`steps_per_generation`), reusing it `num_iterations` times. The config then defines
+      `num_generations`, `steps_per_generation`, `num_iterations`, `generation_batch_size` and `shuffle_dataset`.
+    - Optionally `eval_prompt(row)` and `reference_answer(row)` for generative evaluation accuracy.
+    """
+
+    _name = "Policy"
+    _tag_names: list[str] = ["trl_unified"]
+    _paper: dict[str, str] | None = None
+    _online = False
+    config_class = PolicyConfig
+
+    def __init__(
+        self,
+        model,
+        args: PolicyConfig | None = None,
+        data_collator=None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset=None,
+        processing_class=None,
+        ref_model=None,
+        callbacks=None,
+        optimizers=(None, None),
+        compute_metrics=None,
+        preprocess_logits_for_metrics=None,
+        quantization_config=None,
+        peft_config=None,
+        generative_metrics=None,
+    ):
+        args = args or self.config_class(output_dir=f"{str(model if isinstance(model, str) else model_id_of(model)).split('/')[-1]}-{self._name}")
+        set_seed(args.seed)  # a PEFT adapter's initialisation must be reproducible
+        model = self._load_policy(model, args, quantization_config)
+        processing_class = load_processing_class(processing_class, model, args)
+        self._sync_special_tokens(model, processing_class)
+        model, adapter_is_pretrained = apply_peft(model, peft_config, args)
+        prepare_peft_checkpointing(model, args)
+        if args.disable_dropout:
+            disable_dropout(model)
+        self.reference = ReferenceModel.build(
+            model, ref_model, args, self.needs_reference(args), adapter_is_pretrained, quantization_config
+        )
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._step, self._buffer, self._pending_eval_metrics = 0, None, {}
+        self.generative_metrics = list(generative_metrics or [])
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=_identity if self._online else data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            compute_metrics=compute_metrics,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )
+        self.reference.prepare(self.accelerator)
+        self.eos_token_ids = get_eos_token_ids(self.model, processing_class)
+        if hasattr(self.model, "add_model_tags"):
+            self.model.add_model_tags(self._tag_names)
+        set_seed(self.args.seed, device_specific=True)  # each process samples differently, reproducibly
+
+    # ------------------------------------------------------------------ hooks for subclasses
+    def needs_reference(self, args) -> bool:
+        """Whether the algorithm uses a reference model (e.g. `args.beta != 0`)."""
+        return False
+
+    def compute_policy_loss(self, model, inputs, num_items_in_batch=None):
+        """The algorithm's loss for one micro-batch. Return the loss, or `(loss, model_outputs)`."""
+        raise NotImplementedError(f"{type(self).__name__} must implement compute_policy_loss.")
+
+    def generate_and_score(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """Online algorithms: turn a local generation batch of dataset rows into training inputs."""
+        raise NotImplementedError(f"{type(self).__name__} must implement generate_and_score (it sets _online=True).")
+
+    def eval_prompt(self, row: dict[str, Any]):
+        """The prompt generated from during generative evaluation."""
+        return row["prompt"]
+
+    def reference_answer(self, row: dict[str, Any]) -> str | None:
+        """The reference answer of an eval row, or None when it has none."""
+        value = row.get(self.args.eval_answer_field)
+        return None if value is None else str(value)
+
+    # ------------------------------------------------------------------ model loading
+    def _load_policy(self, model, args, quantization_config):
+        if isinstance(model, str):
+            return load_model(model, args, quantization_config)
+        if args.model_init_kwargs is not None or quantization_config is not None:
+            logger.warning(
+                "model is already instantiated, so args.model_init_kwargs and quantization_config are not used. "
+                "Pass the model id instead to apply them."
+            )
+        return model
+
+    @staticmethod
+    def _sync_special_tokens(model, processing_class):
+        tokenizer = get_tokenizer(processing_class)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+        if getattr(base, "generation_config", None) is not None:
+            base.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    # ------------------------------------------------------------------ generation and log-probs
+    def generation_config(self, do_sample: bool = True, max_new_tokens: int | None = None):
+        """`GenerationConfig` from the trainer's config (sampling for training, greedy for evaluation by default)."""
+        return build_generation_config(self.args, self.processing_class, self.eos_token_ids, do_sample, max_new_tokens)
+
+    def generate(self, prompts, images=None, do_sample: bool = True, max_new_tokens: int | None = None, batch_size=None):
+        """`generate_batched` with the policy, this trainer's accelerator and generation settings."""
+        return generate_batched(
+            self.model_wrapped if self.model_wrapped is not None else self.model,
+            self.processing_class,
+            prompts,
+            generation_config=self.generation_config(do_sample, max_new_tokens),
+            batch_size=batch_size,
+            accelerator=self.accelerator,
+            gather_deepspeed3_params=getattr(self.args, "ds3_gather_for_generation", True),
+            images=images,
+            pad_to_multiple_of=getattr(self.args, "pad_to_multiple_of", None),
+            chat_template_kwargs=self.args.chat_template_kwargs,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def token_logprobs(self, model, input_ids, attention_mask, logits_to_keep, **kwargs) -> TokenLogprobs:
+        """Per-token log-probs of the completion under `model`, at the sampling temperature, under autocast."""
+        with self.accelerator.autocast():
+            return compute_token_logprobs(
+                model, input_ids, attention_mask, logits_to_keep, temperature=self.args.temperature, **kwargs
+            )
+
+    def reference_logprobs(self, input_ids, attention_mask, logits_to_keep, **kwargs) -> torch.Tensor:
+        """Per-token log-probs under the reference model (no grad, eval mode)."""
+        with torch.no_grad(), self.reference.use(self.accelerator, self.model) as ref_model:
+            return self.token_logprobs(ref_model, input_ids, attention_mask, logits_to_keep, **kwargs).logps
+
+    # ------------------------------------------------------------------ data
+    def _set_signature_columns_if_needed(self):
+        if self._online and self._signature_columns is None:
+            self._signature_columns = ["prompt", "image", "images"]
+        super()._set_signature_columns_if_needed()
+
+    def _repeat_sampler(self, dataset, training: bool) -> RepeatSampler:
+        args = self.args
+        if training:
+            return RepeatSampler(
+                dataset,
+                mini_repeat_count=args.num_generations,
+                batch_size=args.generation_batch_size // args.num_generations,
+                repeat_count=args.num_iterations * args.steps_per_generation,
+                shuffle=args.shuffle_dataset,
+                seed=args.seed,
+            )
+        return RepeatSampler(dataset, mini_repeat_count=args.num_generations_eval or args.num_generations, seed=args.seed)
+
+    def _get_train_sampler(self, train_dataset=None):
+        if not self._online:
+            return super()._get_train_sampler(train_dataset)
+        return self._repeat_sampler(train_dataset if train_dataset is not None else self.train_dataset, True)
+
+    def _get_eval_sampler(self, eval_dataset):
+        return self._repeat_sampler(eval_dataset, False) if self._online else super()._get_eval_sampler(eval_dataset)
+
+    def get_train_dataloader(self):
+        if not self._online:
+            return super().get_train_dataloader()
+        dataset = self.train_dataset
+        if isinstance(dataset, IterableDataset):
+            dataset = _RepeatedIterable(dataset, self.args)
+        return self._get_dataloader(
+            dataset=dataset,
+            description="Training",
+            batch_size=self._train_batch_size * self.args.steps_per_generation,  # one whole generation batch
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
+    def _prepare_inputs(self, inputs):
+        if not self._online:
+            return super()._prepare_inputs(inputs)
+        if not self.model.training:
+            return self.generate_and_score(inputs)
+        steps = self.args.steps_per_generation
+        if self._step % (steps * self.args.num_iterations) == 0 or self._buffer is None:
+            self._buffer = split_batch(shuffle_batch(self.generate_and_score(inputs)), steps)
+        micro_batch = self._buffer[self._step % steps]
+        self._step += 1
+        return micro_batch
+
+    # ------------------------------------------------------------------ loss and evaluation loop
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = self.compute_policy_loss(model, inputs, num_items_in_batch)
+        loss, outputs = result if isinstance(result, tuple) else (result, None)
+        if return_outputs:
+            if outputs is None:
+                raise ValueError(f"{type(self).__name__}.compute_loss cannot return model outputs.")
+            return loss, outputs
+        return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            result = self.compute_policy_loss(model, inputs, None)
+        loss, outputs = result if isinstance(result, tuple) else (result, None)
+        if prediction_loss_only or outputs is None:
+            return loss.detach(), None, None
+        labels = inputs.get("labels") if isinstance(inputs, dict) else None
+        return loss.detach(), outputs.logits.detach(), labels
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """Eval loss and metrics as `Trainer.evaluate`, plus generative accuracy (see `evaluate_generations`)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, str):
+            dataset = self.eval_dataset[dataset]
+        if not isinstance(dataset, dict):  # a dict recurses into evaluate() once per dataset
+            self._pending_eval_metrics = self.evaluate_generations(dataset, metric_key_prefix)
+        try:
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        finally:
+            self._pending_eval_metrics = {}
+
+    def evaluation_loop(self, *args, **kwargs):
+        output = super().evaluation_loop(*args, **kwargs)
+        output.metrics.update(self._pending_eval_metrics)
+        return output
+
+    # ------------------------------------------------------------------ generative evaluation accuracy
+    def _local_eval_rows(self, dataset) -> list[tuple[int, dict]]:
+        """This process's share of the eval rows, with their global index: disjoint, no padding duplicates."""
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        if isinstance(dataset, Dataset):
+            indices = list(range(rank, len(dataset), world))
+            return list(zip(indices, dataset.select(indices), strict=True))
+        return [(i, row) for i, row in enumerate(dataset) if i % world == rank]
+
+    def evaluate_generations(self, dataset, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Generate for every eval row carrying a reference answer, extract the predicted answer, and score it.
+
+        Returns `{prefix}_accuracy` (an unparseable answer is wrong), `{prefix}_answer_parse_rate` and one entry per
+        `generative_metrics` result; writes the records (prompt, generation, predicted, reference, correct) as JSON
+        Lines under `output_dir/eval_records/`, gathered from all processes in dataset order.
+        """
+        names = column_names(dataset)
+        if not self.args.generative_eval or dataset is None or (names is not None and not self._has_reference(names)):
+            return {}
+        local = [(i, row) for i, row in self._local_eval_rows(dataset) if self.reference_answer(row) is not None]
+        records = []
+        if local:
+            prompts = [self.eval_prompt(row) for _, row in local]
+            images = [get_images(row) for _, row in local]
+            images = images if any(img is not None for img in images) else None
+            out = self.generate(
+                prompts,
+                images=images,
+                do_sample=self.args.eval_do_sample,
+                max_new_tokens=self.args.eval_max_new_tokens,
+                batch_size=self.args.per_device_eval_batch_size,
+            )
+            for (index, row), prompt, text in zip(local, prompts, out.texts, strict=True):
+                reference = extract_answer(self.reference_answer(row), lambda s: s)
+                predicted = extract_answer(text, self.args.answer_extractor)
+                correct = answers_match(predicted, reference)
+                records.append(dict(index=index, prompt=prompt, generation=text, predicted=predicted, reference=reference, correct=correct))
+        records = sorted(gather_object(records), key=lambda r: r["index"])
+        if not records:
+            return {}
+        predictions, references = [r["predicted"] for r in records], [r["reference"] for r in records]
+        metrics = {
+            f"{metric_key_prefix}_accuracy": AnswerAccuracy().compute(predictions=predictions, references=references)["accuracy"],
+            f"{metric_key_prefix}_answer_parse_rate": sum(p is not None for p in predictions) / len(predictions),
+        }
+        for metric in self.generative_metrics:
+            result = metric.compute(predictions=[p or "" for p in predictions], references=references)
+            metrics.update({f"{metric_key_prefix}_{k}": v for k, v in result.items() if isinstance(v, (int, float))})
+        if self.accelerator.is_main_process:
+            self._write_records(records, metric_key_prefix)
+        return metrics
+
+    def _has_reference(self, names: list[str]) -> bool:
+        return self.args.eval_answer_field in names
+
+    def _write_records(self, records: list[dict], prefix: str) -> None:
+        folder = os.path.join(self.args.output_dir, "eval_records")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"{prefix}-step{self.state.global_step}.jsonl")
+        with open(path, "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+        self.last_eval_records_path = path
+        logger.warning(f"Generative evaluation: {len(records)} records written to {path}")
+        self._log_records_table(records, prefix)
+
+    def _log_records_table(self, records: list[dict], prefix: str) -> None:
+        """A sample table for W&B and TensorBoard when they are enabled (`report_to`)."""
+        report_to = self.args.report_to or []
+        sample = records[:32]
+        if "wandb" in report_to:
+            import wandb
+
+            if wandb.run is not None:
+                columns = ["index", "prompt", "generation", "predicted", "reference", "correct"]
+                rows = [[str(r[c]) for c in columns] for r in sample]
+                wandb.log({f"{prefix}_samples": wandb.Table(columns=columns, data=rows)})
+        if "tensorboard" in report_to:
+            for callback in self.callback_handler.callbacks:
+                writer = getattr(callback, "tb_writer", None)
+                if writer is not None:
+                    text = "\n\n".join(
+                        f"**{r['index']}** correct={r['correct']} predicted={r['predicted']!r} reference={r['reference']!r}\n\n{r['generation']}"
+                        for r in sample
+                    )
+                    writer.add_text(f"{prefix}_samples", text, self.state.global_step)
+
+    # ------------------------------------------------------------------ logging
+    def log_metric(self, name: str, value: float) -> None:
+        """Record a metric for the current mode; `log()` averages it over the logging window and processes."""
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode][name].append(float(value))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        local = {k: [v for v in vals if not math.isnan(v)] for k, vals in self._metrics[mode].items()}
+        local = {k: (sum(v), len(v)) for k, v in local.items()}
+        merged: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        for process_metrics in gather_object([local]) if self.accelerator.num_processes > 1 else [local]:
+            for key, (total, count) in process_metrics.items():
+                merged[key][0] += total
+                merged[key][1] += count
+        prefix = "eval_" if mode == "eval" else ""
+        for key, (total, count) in sorted(merged.items()):
+            if key == "num_tokens":  # a running total, not an average
+                logs[f"{prefix}{key}"] = total / max(count, 1)
+            else:
+                logs[f"{prefix}{key}"] = total / count if count else None
+        self._metrics[mode].clear()
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------------ saving
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None, **kwargs):
+        """Write README.md (trainer, base model, datasets, tags, the algorithm's paper) into `output_dir`."""
+        if not self.is_world_process_zero():
+            return
+        write_model_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags)
+
+    def _save_checkpoint(self, model, trial):
+        self.create_model_card(model_name=self.args.hub_model_id or os.path.basename(self.args.output_dir))
+        super()._save_checkpoint(model, trial)
+
+
+class _RepeatedIterable(torch.utils.data.IterableDataset):
+    """Streaming counterpart of `RepeatSampler` for an `IterableDataset` (shuffled with a buffer when asked)."""
+
+    def __init__(self, dataset: IterableDataset, args):
+        self.dataset = dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset
+        self.args = args
+
+    def __iter__(self):
+        args = self.args
+        prompts_per_batch = args.generation_batch_size // args.num_generations
+        chunk = []
+        for row in self.dataset:
+            chunk.append(row)
+            if len(chunk) == prompts_per_batch:
+                for _ in range(args.num_iterations * args.steps_per_generation):
+                    for item in chunk:
+                        yield from [item] * args.num_generations
+                chunk = []

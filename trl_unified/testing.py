@@ -1,0 +1,115 @@
+"""Tiny models and tokenizers built locally (no Hub), for tests, examples and benchmarks.
+
+Everything here is built from configs with random weights and a word-level tokenizer trained with the `tokenizers`
+library; `save_tiny_model` writes a directory that loads back with `from_pretrained(path)`.
+"""
+
+import os
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + ' ' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + ' <|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + ' <|im_end|>' }}{% endif %}"
+    "{{ ' ' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant ' }}{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+DEFAULT_WORDS = (
+    "a b c d e f g h i j k l m n o p q r s t u v w x y z "
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 "
+    "user assistant system the is which larger smaller number response better answer <answer> </answer> or and "
+    "A B yes no count write say hello world question : ? . , + = >"
+).split()
+
+
+def build_tokenizer(words: list[str] | None = None, pad_token: str | None = "<pad>") -> PreTrainedTokenizerFast:
+    """A word-level tokenizer (whitespace split) trained with `tokenizers`, with a ChatML-like chat template.
+
+    `pad_token=None` leaves the pad token unset (the trainers then fall back to EOS).
+    """
+    words = words or DEFAULT_WORDS
+    core = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
+    core.train_from_iterator([" ".join(words)] * 2, trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS, min_frequency=1))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|endoftext|>",
+        unk_token="<unk>",
+        pad_token=pad_token,
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        padding_side="left",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _common(tokenizer, hidden_size, num_layers):
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+
+
+def build_causal_lm(tokenizer, arch: str = "qwen2", hidden_size: int = 32, num_layers: int = 2, seed: int = 0):
+    """A randomly initialised causal LM of `arch` ("qwen2", "llama" or "qwen3")."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
+               "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    config_cls, model_cls = classes[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**_common(tokenizer, hidden_size, num_layers)))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    return model
+
+
+def build_sequence_classifier(tokenizer, hidden_size: int = 32, seed: int = 0):
+    """A randomly initialised Llama sequence classifier with one label (a reward model)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    return LlamaForSequenceClassification(LlamaConfig(**_common(tokenizer, hidden_size, 2), num_labels=1))
+
+
+def build_encoder_decoder(tokenizer, d_model: int = 32, seed: int = 0):
+    """A randomly initialised T5-style encoder-decoder."""
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = T5Config(
+        vocab_size=len(tokenizer), d_model=d_model, d_kv=8, d_ff=d_model * 2, num_layers=2, num_heads=4,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id, dropout_rate=0.0,
+    )
+    model = T5ForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.decoder_start_token_id = tokenizer.pad_token_id
+    return model
+
+
+def save_tiny_model(model, tokenizer, path: str) -> str:
+    """Save model + tokenizer to `path` (loadable by path, like a Hub id) and return `path`."""
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
