@@ -90,11 +90,12 @@ def answers_match(predicted: str | None, reference: str | None) -> bool:
 class AnswerAccuracy(evaluate.Metric):
     """`evaluate` metric: fraction of predictions whose normalised answer equals the reference's.
 
-    `None` (unparseable) predictions are counted wrong, and so are rows whose reference is `None`.
+    An unparseable prediction (passed as `""`, since `evaluate` takes strings only) is counted wrong, and so is a
+    row whose reference is empty.
 
     Example:
     ```python
-    >>> AnswerAccuracy().compute(predictions=["a", None, "B "], references=["a", "b", "b"])
+    >>> AnswerAccuracy().compute(predictions=["a", "", "B "], references=["a", "b", "b"])
     {'accuracy': 0.6666666666666666}
     ```
     """

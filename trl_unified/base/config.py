@@ -28,6 +28,15 @@ def document_fields(cls):
     return cls
 
 
+def _has_bf16_accelerator() -> bool:
+    import torch
+    from transformers.utils import is_torch_bf16_gpu_available
+
+    xpu = hasattr(torch, "xpu") and torch.xpu.is_available()
+    mps = hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
+    return is_torch_bf16_gpu_available() or xpu or mps
+
+
 @document_fields
 @dataclass
 class PolicyConfig(TrainingArguments):
@@ -51,7 +60,10 @@ class PolicyConfig(TrainingArguments):
     )
     bf16: bool | None = field(
         default=None,
-        metadata={"help": "Use bf16 mixed precision. If not set, it defaults to `True` unless `fp16` is set."},
+        metadata={
+            "help": "Use bf16 mixed precision. If not set: `True` unless `fp16` is set (as in TRL), except on a "
+            "machine with no accelerator and use_cpu=False, where TRL's default would fail and `False` is used."
+        },
     )
     lr_scheduler_kwargs: dict | str | None = field(
         default=None,
@@ -150,7 +162,8 @@ class PolicyConfig(TrainingArguments):
     )
 
     def __post_init__(self):
-        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
+        if self.bf16 is None:
+            self.bf16 = not self.fp16 and (self.use_cpu or _has_bf16_accelerator())
         for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
             if isinstance(getattr(self, name), str):  # JSON from the command line
                 setattr(self, name, json.loads(getattr(self, name)))

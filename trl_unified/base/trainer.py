@@ -89,6 +89,11 @@ class PolicyTrainerBase(Trainer):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._step, self._buffer, self._pending_eval_metrics = 0, None, {}
         self.generative_metrics = list(generative_metrics or [])
+        if self._online and _uses_iterable(train_dataset, eval_dataset):
+            # Rows are python dicts, not tensors: each process reads its own shard instead of a dispatched batch.
+            if args.accelerator_config.dispatch_batches:
+                raise ValueError("Iterable datasets need accelerator_config.dispatch_batches=False; it is set to True.")
+            args.accelerator_config.dispatch_batches = False
         super().__init__(
             model=model,
             args=args,
@@ -313,11 +318,13 @@ class PolicyTrainerBase(Trainer):
             return {}
         predictions, references = [r["predicted"] for r in records], [r["reference"] for r in records]
         metrics = {
-            f"{metric_key_prefix}_accuracy": AnswerAccuracy().compute(predictions=predictions, references=references)["accuracy"],
+            f"{metric_key_prefix}_accuracy": AnswerAccuracy().compute(
+                predictions=[p or "" for p in predictions], references=[r or "" for r in references]
+            )["accuracy"],
             f"{metric_key_prefix}_answer_parse_rate": sum(p is not None for p in predictions) / len(predictions),
         }
         for metric in self.generative_metrics:
-            result = metric.compute(predictions=[p or "" for p in predictions], references=references)
+            result = metric.compute(predictions=[p or "" for p in predictions], references=[r or "" for r in references])
             metrics.update({f"{metric_key_prefix}_{k}": v for k, v in result.items() if isinstance(v, (int, float))})
         if self.accelerator.is_main_process:
             self._write_records(records, metric_key_prefix)
@@ -392,6 +399,14 @@ class PolicyTrainerBase(Trainer):
     def _save_checkpoint(self, model, trial):
         self.create_model_card(model_name=self.args.hub_model_id or os.path.basename(self.args.output_dir))
         super()._save_checkpoint(model, trial)
+
+
+def _uses_iterable(*datasets) -> bool:
+    for ds in datasets:
+        values = ds.values() if isinstance(ds, dict) else [ds]
+        if any(isinstance(v, IterableDataset) for v in values):
+            return True
+    return False
 
 
 class _RepeatedIterable(torch.utils.data.IterableDataset):

@@ -1,0 +1,99 @@
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from tests.helpers import prompt_dataset, rloo_args
+from tests.helpers import varied_reward as count_a
+from trl_unified import RLOOTrainer, compute_token_logprobs
+
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+
+
+def probe(tokenizer):
+    ids = torch.tensor([tokenizer("a b c d e f")["input_ids"], tokenizer("g h i j k l")["input_ids"]])
+    return ids, torch.ones_like(ids), 4
+
+
+def test_beta_zero_builds_no_reference(llama_path, tokenizer, tmp_path):
+    trainer = RLOOTrainer(llama_path, count_a, args=rloo_args(tmp_path, beta=0.0), train_dataset=prompt_dataset())
+    assert trainer.reference.kind == "none" and not trainer.reference.available
+    with pytest.raises(RuntimeError, match="no reference model"):
+        with trainer.reference.use():
+            pass
+
+
+def test_plain_model_gets_frozen_copy_in_eval_mode(llama_path, tmp_path):
+    trainer = RLOOTrainer(llama_path, count_a, args=rloo_args(tmp_path, beta=0.1), train_dataset=prompt_dataset())
+    ref = trainer.reference.model
+    assert trainer.reference.kind == "copy" and ref is not trainer.model
+    assert not any(p.requires_grad for p in ref.parameters())
+    assert not ref.training
+    for (name, p), q in zip(trainer.model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q) and p.data_ptr() != q.data_ptr(), name
+    trainer.train()
+    changed = [not torch.equal(p, q) for p, q in zip(trainer.model.parameters(), ref.parameters())]
+    assert all(changed)  # the policy moved; the frozen copy did not follow
+
+
+def test_in_memory_model_never_saved_gets_a_reference(llama_model, tokenizer, tmp_path):
+    llama_model.config._name_or_path = ""  # built in memory: there is nothing to reload by name
+    trainer = RLOOTrainer(llama_model, count_a, args=rloo_args(tmp_path, beta=0.1), train_dataset=prompt_dataset(),
+                          processing_class=tokenizer)
+    assert trainer.reference.kind == "copy"
+    trainer.train()
+    assert any("kl" in log for log in trainer.state.log_history)
+
+
+def test_peft_reference_is_the_base_model(llama_model, tokenizer, tmp_path):
+    ids, mask, keep = probe(tokenizer)
+    with torch.no_grad():
+        base_logps = compute_token_logprobs(llama_model, ids, mask, keep).logps
+    trainer = RLOOTrainer(llama_model, count_a, args=rloo_args(tmp_path, beta=0.1, max_steps=3),
+                          train_dataset=prompt_dataset(), processing_class=tokenizer, peft_config=LoraConfig(**LORA))
+    assert trainer.reference.kind == "adapter_disabled" and trainer.reference.model is None  # no copy kept
+    trainer.train()
+    with torch.no_grad():
+        ref_logps = trainer.reference_logprobs(ids, mask, keep)
+        policy_logps = compute_token_logprobs(trainer.model, ids, mask, keep).logps
+    torch.testing.assert_close(ref_logps, base_logps, rtol=1e-5, atol=1e-6)
+    assert (policy_logps - base_logps).abs().max() > 1e-3  # the adapter trained
+
+
+def test_pretrained_adapter_reference_is_a_frozen_copy_of_it(llama_model, tokenizer, tmp_path):
+    ids, mask, keep = probe(tokenizer)
+    peft_model = get_peft_model(llama_model, LoraConfig(**LORA))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # a "pretrained" adapter: not the identity
+        start_logps = compute_token_logprobs(peft_model, ids, mask, keep).logps
+        with peft_model.disable_adapter():
+            base_logps = compute_token_logprobs(peft_model, ids, mask, keep).logps
+    assert (start_logps - base_logps).abs().max() > 1e-3
+    trainer = RLOOTrainer(peft_model, count_a, args=rloo_args(tmp_path, beta=0.1, max_steps=3),
+                          train_dataset=prompt_dataset(), processing_class=tokenizer)
+    assert isinstance(trainer.model, PeftModel) and trainer.reference.kind == "ref_adapter"
+    ref_params = {n: p.clone() for n, p in trainer.model.named_parameters() if ".ref." in n}
+    assert ref_params and not any(p.requires_grad for n, p in trainer.model.named_parameters() if ".ref." in n)
+    trainer.train()
+    with torch.no_grad():
+        ref_logps = trainer.reference_logprobs(ids, mask, keep)
+        policy_logps = compute_token_logprobs(trainer.model, ids, mask, keep).logps
+    torch.testing.assert_close(ref_logps, start_logps, rtol=1e-5, atol=1e-6)  # the adapter as it arrived
+    assert (policy_logps - start_logps).abs().max() > 1e-3
+    for name, p in trainer.model.named_parameters():
+        if ".ref." in name:
+            assert torch.equal(p, ref_params[name]) and not p.requires_grad, name
+    assert trainer.model.active_adapter == "default"
+
+
+def test_explicit_ref_model_by_path(llama_path, qwen2_path, tmp_path):
+    trainer = RLOOTrainer(llama_path, count_a, args=rloo_args(tmp_path, beta=0.1), train_dataset=prompt_dataset(),
+                          ref_model=llama_path)
+    assert trainer.reference.kind == "copy" and not any(p.requires_grad for p in trainer.reference.model.parameters())
+
+
+def test_ref_model_with_peft_is_rejected(llama_path, tmp_path):
+    with pytest.raises(ValueError, match="ref_model was given together with a PEFT policy"):
+        RLOOTrainer(llama_path, count_a, args=rloo_args(tmp_path, beta=0.1), train_dataset=prompt_dataset(),
+                    ref_model=llama_path, peft_config=LoraConfig(**LORA))

@@ -1,0 +1,33 @@
+"""Small builders shared by the tests."""
+
+from datasets import Dataset
+
+from trl_unified import RLOOConfig
+
+PROMPTS = ["a b c", "d e", "f g h i", "j k", "l", "m n o", "p q", "r s t u"]
+
+
+def prompt_dataset(n: int = 16, **columns) -> Dataset:
+    data = {"prompt": [PROMPTS[i % len(PROMPTS)] for i in range(n)]}
+    data.update({k: [v[i % len(v)] for i in range(n)] for k, v in columns.items()})
+    return Dataset.from_dict(data)
+
+
+def count_a(completions, **kwargs):
+    """Fraction of the completion's words that are 'a'."""
+    return [c.split().count("a") / max(1, len(c.split())) for c in completions]
+
+
+def rloo_args(tmp_path, **overrides) -> RLOOConfig:
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, max_completion_length=6,
+        max_steps=2, learning_rate=1e-2, logging_steps=1, bf16=False, report_to=[], save_strategy="no",
+        gradient_checkpointing=False, seed=0,
+    )
+    kwargs.update(overrides)
+    return RLOOConfig(**kwargs)
+
+
+def varied_reward(completions, **kwargs):
+    """A reward with spread on random completions (so advantages are non-zero from the first step)."""
+    return [sum(ord(w[0]) % 7 for w in c.split()) / (7 * max(1, len(c.split()))) for c in completions]

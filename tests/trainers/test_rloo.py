@@ -1,0 +1,197 @@
+import asyncio
+import dataclasses
+import time
+
+import pytest
+import torch
+import trl
+from datasets import Dataset, IterableDataset
+
+from tests.helpers import count_a, prompt_dataset, rloo_args, varied_reward
+from trl_unified import RLOOConfig, RLOOTrainer, rloo_advantages
+from trl_unified.trainers.rloo import nanstd
+
+
+# ------------------------------------------------------------------ maths
+def test_rloo_advantages_match_hand_computation():
+    rewards = torch.tensor([1.0, 0.0, 2.0, 3.0, 3.0, 3.0])  # 2 prompts, G=3
+    # 1-(0+2)/2=0, 0-(1+2)/2=-1.5, 2-(1+0)/2=1.5; equal rewards give 0
+    expected = torch.tensor([0.0, -1.5, 1.5, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(rloo_advantages(rewards, num_generations=3), expected)
+    # closed form: G/(G-1) * (r - mean)
+    torch.testing.assert_close(rloo_advantages(rewards, 3), 1.5 * (rewards - rewards.view(2, 3).mean(1).repeat_interleave(3)))
+
+
+def test_rloo_advantages_skip_unscorable_rows():
+    rewards = torch.tensor([1.0, float("nan"), 3.0, 5.0, float("nan"), float("nan")])
+    adv = rloo_advantages(rewards, 3)
+    # group 1: scorable {1, 3}: 1-3=-2, 3-1=2; group 2: a single scorable reward has no baseline
+    torch.testing.assert_close(adv[[0, 2]], torch.tensor([-2.0, 2.0]))
+    assert torch.isnan(adv[[1, 3, 4, 5]]).all()
+
+
+def test_nanstd_is_bessel_corrected_and_ignores_nan():
+    x = torch.tensor([1.0, 2.0, float("nan"), 4.0])
+    torch.testing.assert_close(nanstd(x), torch.tensor([1.0, 2.0, 4.0]).std())
+    assert torch.isnan(nanstd(torch.tensor([1.0, float("nan")])))
+
+
+def test_kl_shaping_and_normalisation_in_trainer(llama_path, tmp_path):
+    trainer = RLOOTrainer(llama_path, varied_reward, args=rloo_args(tmp_path, beta=0.5, normalize_advantages=True,
+                                                                    reward_clip_range=(0.0, 2.0)), train_dataset=prompt_dataset())
+    rewards = torch.tensor([1.0, 3.0, 0.0, 2.0])  # 3.0 is clipped to 2.0
+    kl = torch.tensor([0.2, 0.0, 1.0, 0.0])
+    shaped = torch.tensor([1.0, 2.0, 0.0, 2.0]) - 0.5 * kl  # [0.9, 2.0, -0.5, 2.0]
+    loo = torch.tensor([0.9 - 2.0, 2.0 - 0.9, -0.5 - 2.0, 2.0 + 0.5])
+    expected = (loo - loo.mean()) / (loo.std() + 1e-4)
+    torch.testing.assert_close(trainer._advantages(rewards, kl, "train"), expected)
+
+
+# ------------------------------------------------------------------ config
+def test_config_has_every_trl_field_with_the_same_default():
+    ours = {f.name: f for f in dataclasses.fields(RLOOConfig)}
+    for f in dataclasses.fields(trl.RLOOConfig):
+        assert f.name in ours, f.name
+        if f.default is not dataclasses.MISSING:
+            assert ours[f.name].default == f.default, (f.name, ours[f.name].default, f.default)
+        else:
+            assert ours[f.name].default_factory() == f.default_factory(), f.name
+
+
+def test_config_fields_are_documented_once():
+    doc = RLOOConfig.__doc__
+    for f in dataclasses.fields(RLOOConfig):
+        if f.name in RLOOConfig.__dataclass_fields__ and f.metadata.get("help"):
+            continue
+        assert f.name.startswith("_") or f.metadata.get("help"), f"{f.name} has no help"
+    for name in ("beta", "num_generations", "answer_extractor"):
+        help_text = RLOOConfig.__dataclass_fields__[name].metadata["help"]
+        assert f"{name} (`" in doc and help_text in doc, name
+
+
+@pytest.mark.parametrize("field, value", [("use_vllm", True), ("vllm_mode", "server"),
+                                          ("use_transformers_continuous_batching", True)])
+def test_unimplemented_compat_fields_raise(field, value, tmp_path):
+    with pytest.raises(NotImplementedError, match=field):
+        RLOOConfig(output_dir=str(tmp_path), **{field: value})
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_generations=1), "num_generations=1"),
+    (dict(per_device_train_batch_size=3, num_generations=2), "divisible by num_generations"),
+    (dict(generation_batch_size=6, per_device_train_batch_size=4), "must be divisible by the global batch size"),
+    (dict(generation_batch_size=8, steps_per_generation=2), "not both"),
+    (dict(beta=-1.0), "beta=-1.0"),
+    (dict(temperature=0.0), "temperature=0.0"),
+    (dict(answer_extractor="json"), "answer_extractor='json'"),
+])
+def test_bad_config_is_rejected_with_the_field_name(kwargs, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        RLOOConfig(output_dir=str(tmp_path), **kwargs)
+
+
+# ------------------------------------------------------------------ training
+def test_training_changes_every_parameter_and_logs_trl_metrics(llama_path, tmp_path):
+    trainer = RLOOTrainer(llama_path, varied_reward, args=rloo_args(tmp_path, beta=0.1, max_steps=3),
+                          train_dataset=prompt_dataset())
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    for name, p in trainer.model.named_parameters():
+        assert not torch.equal(p, before[name]), f"{name} did not change"
+    logs = trainer.state.log_history[0]
+    for key in ("loss", "num_tokens", "completions/mean_length", "completions/clipped_ratio", "rewards/varied_reward/mean",
+                "rewards/varied_reward/std", "reward", "reward_std", "frac_reward_zero_std", "kl", "entropy",
+                "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_max"):
+        assert key in logs, key
+
+
+def test_conversational_prompts_extra_columns_and_reward_kwargs(llama_path, tmp_path):
+    seen = {}
+
+    def reward(prompts, completions, completion_ids, target, trainer_state, log_metric, **kwargs):
+        seen.update(prompts=prompts, completions=completions, target=target, step=trainer_state.global_step)
+        log_metric("custom/len", sum(len(c[0]["content"]) for c in completions) / len(completions))
+        return [float(len(ids)) for ids in completion_ids]
+
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in ["a b", "c d", "e", "f g"]] * 2,
+                              "target": ["x", "y", "z", "w"] * 2})
+    trainer = RLOOTrainer(llama_path, reward, args=rloo_args(tmp_path, beta=0.0), train_dataset=data)
+    trainer.train()
+    assert seen["completions"][0][0]["role"] == "assistant"
+    assert isinstance(seen["prompts"][0], list) and len(seen["target"]) == 4
+    assert all(t in "xyzw" for t in seen["target"])
+    assert any("custom/len" in log for log in trainer.state.log_history)
+
+
+def test_async_reward_functions_run_concurrently(llama_path, tmp_path):
+    spans = []
+
+    def make(name):
+        async def reward(completions, **kwargs):
+            start = time.perf_counter()
+            await asyncio.sleep(0.2)
+            spans.append((start, time.perf_counter()))
+            return [1.0] * len(completions)
+        reward.__name__ = name
+        return reward
+
+    trainer = RLOOTrainer(llama_path, [make("slow1"), make("slow2"), varied_reward],
+                          args=rloo_args(tmp_path, max_steps=1), train_dataset=prompt_dataset())
+    trainer.train()
+    (s1, e1), (s2, e2) = spans[:2]
+    assert s2 < e1 and s1 < e2  # the two sleeps overlapped
+    assert trainer.state.log_history[0]["rewards/slow1/mean"] == 1.0
+
+
+def test_reward_model_by_path_none_rewards_and_weights(llama_path, reward_model_path, tmp_path):
+    def sometimes_none(completions, **kwargs):
+        return [None if i % 2 else 1.0 for i in range(len(completions))]
+
+    trainer = RLOOTrainer(llama_path, [reward_model_path, sometimes_none],
+                          args=rloo_args(tmp_path, reward_weights=[0.5, 2.0], max_steps=1), train_dataset=prompt_dataset())
+    assert trainer.rewards.names == ["reward", "sometimes_none"]
+    trainer.train()
+    logs = trainer.state.log_history[0]
+    assert logs["rewards/sometimes_none/mean"] == 1.0  # None rows are ignored, not counted as 0
+    assert "rewards/reward/mean" in logs
+
+
+def test_iterable_dataset(llama_path, tmp_path):
+    data = IterableDataset.from_generator(lambda: ({"prompt": p} for p in ["a b", "c", "d e f", "g"] * 8))
+    trainer = RLOOTrainer(llama_path, varied_reward, args=rloo_args(tmp_path, max_steps=2), train_dataset=data)
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
+def test_eval_metrics_have_eval_prefix(llama_path, tmp_path):
+    trainer = RLOOTrainer(llama_path, varied_reward, args=rloo_args(tmp_path, per_device_eval_batch_size=4),
+                          train_dataset=prompt_dataset(), eval_dataset=prompt_dataset(8))
+    metrics = trainer.evaluate()
+    for key in ("eval_loss", "eval_reward", "eval_completions/mean_length", "eval_entropy"):
+        assert key in metrics, key
+
+
+def test_no_extra_forward_when_generation_is_aligned(llama_path, tmp_path):
+    """num_iterations=1 and steps_per_generation == gradient accumulation: one policy forward per micro-step (the
+    loss's); TRL runs a second, no-grad forward for the old log-probs. With num_iterations=2 the old log-probs are
+    needed and computed once per generation."""
+    def policy_forwards(**kwargs):
+        trainer = RLOOTrainer(llama_path, varied_reward, args=rloo_args(tmp_path, max_steps=2, beta=0.1, **kwargs),
+                              train_dataset=prompt_dataset())
+        state = {"generating": False, "forwards": 0}
+        trainer.model.register_forward_hook(lambda *a: state.update(forwards=state["forwards"] + (not state["generating"])))
+        generate = trainer.model.generate
+
+        def counting_generate(*args, **kw):
+            state["generating"] = True
+            try:
+                return generate(*args, **kw)
+            finally:
+                state["generating"] = False
+
+        trainer.model.generate = counting_generate
+        trainer.train()
+        return state["forwards"]
+
+    assert policy_forwards() == 2  # 2 steps x 1 loss forward
+    assert policy_forwards(num_iterations=2) == 3  # 1 generation: 1 old-log-prob forward + 2 loss forwards
