@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -26,6 +27,14 @@ def document_fields(cls):
         lines.append(f"        {f.metadata.get('help', '')}")
     cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\nParameters:\n" + "\n".join(lines) + "\n"
     return cls
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    xpu = hasattr(torch, "xpu") and torch.xpu.is_available()
+    mps = hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
+    return torch.cuda.is_available() or xpu or mps
 
 
 def _has_bf16_accelerator() -> bool:
@@ -164,6 +173,10 @@ class PolicyConfig(TrainingArguments):
     def __post_init__(self):
         if self.bf16 is None:
             self.bf16 = not self.fp16 and (self.use_cpu or _has_bf16_accelerator())
+        if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
+            # Launched on several processes without any accelerator: without use_cpu, accelerate would run each
+            # process as an independent single-process job. Use gloo across CPU processes instead.
+            self.use_cpu = True
         for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
             if isinstance(getattr(self, name), str):  # JSON from the command line
                 setattr(self, name, json.loads(getattr(self, name)))

@@ -71,7 +71,7 @@ def compute_token_logprobs(
     when given (a memory cap for the no-grad reference pass).
 
     Args:
-        model: a causal LM (or PEFT/VLM wrapper) whose forward accepts `logits_to_keep`.
+        model (`PreTrainedModel`): a causal LM (or PEFT/VLM wrapper) whose forward accepts `logits_to_keep`.
         input_ids (`torch.LongTensor`): `(B, P + C)` prompt then completion tokens.
         attention_mask (`torch.LongTensor`): `(B, P + C)`.
         logits_to_keep (`int`): `C`, the number of completion positions to score.
@@ -79,7 +79,7 @@ def compute_token_logprobs(
         compute_entropy (`bool`, *optional*, defaults to `False`): also return per-token entropies.
         batch_size (`int`, *optional*): rows per forward pass; all rows at once by default.
         output_router_logits (`bool`, *optional*, defaults to `False`): return the MoE load-balancing loss.
-        **forward_kwargs: other model inputs with a leading batch dimension (e.g. `token_type_ids`), or, for
+        **forward_kwargs (`Any`): other model inputs with a leading batch dimension (e.g. `token_type_ids`), or, for
             vision-language models, the full image tensors (then `batch_size` must cover the whole batch).
 
     Returns:

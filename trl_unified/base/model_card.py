@@ -40,13 +40,10 @@ Trainer: `{trainer_class}` ({algorithm}). Paper: [{paper_title}](https://hugging
 
 
 def _dataset_names(trainer) -> list[str]:
-    names = []
-    for ds in (trainer.train_dataset,):
-        info = getattr(ds, "info", None)
-        name = getattr(info, "dataset_name", None) or getattr(getattr(ds, "builder_name", None), "__str__", lambda: None)()
-        if name:
-            names.append(name)
-    return names
+    """Names of the training datasets that know theirs (loaded with `load_dataset`); in-memory ones have none."""
+    info = getattr(trainer.train_dataset, "info", None)
+    name = getattr(info, "dataset_name", None) or getattr(info, "builder_name", None)
+    return [name] if name and name not in ("generator", "json", "csv", "parquet", "arrow", "text") else []
 
 
 def _versions() -> str:
@@ -63,8 +60,14 @@ def _versions() -> str:
     return "\n".join(f"- {name}: {module.__version__}" for name, module in pairs)
 
 
-def write_model_card(trainer, model_name: str | None = None, dataset_name: str | None = None, tags=None) -> str:
-    """Write `README.md` into `trainer.args.output_dir` and return its path. No token is ever written."""
+def write_model_card(
+    trainer, model_name: str | None = None, dataset_name: str | None = None, tags=None, output_dir: str | None = None
+) -> str:
+    """Write `README.md` into `output_dir` (default `trainer.args.output_dir`) and return its path.
+
+    Nothing secret is written: no token, no local absolute path of the training machine beyond the base model's.
+    """
+    output_dir = output_dir or trainer.args.output_dir
     base_model = model_id_of(trainer.model)
     base_is_hub_id = not os.path.isdir(base_model) and "/" in base_model
     datasets_ = [dataset_name] if dataset_name else _dataset_names(trainer)
@@ -95,7 +98,7 @@ def write_model_card(trainer, model_name: str | None = None, dataset_name: str |
             citation=f"```bibtex\n{paper['citation']}\n```" if paper["citation"] else "",
         )
     )
-    path = os.path.join(trainer.args.output_dir, "README.md")
-    os.makedirs(trainer.args.output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "README.md")
+    os.makedirs(output_dir, exist_ok=True)
     card.save(path)
     return path

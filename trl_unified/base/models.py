@@ -38,11 +38,13 @@ def from_pretrained_checked(auto_class, model_id: str, what: str, **kwargs):
     try:
         return auto_class.from_pretrained(model_id, **kwargs)
     except (OSError, ValueError) as e:
-        hint = (
-            "It is not a local directory"
-            + (" and the Hugging Face Hub is unreachable or offline (HF_HUB_OFFLINE)" if not os.path.isdir(model_id) else "")
-            + ". Pass a local path to a saved model, or a model object."
-        )
+        if os.path.isdir(model_id):
+            hint = "The directory exists but does not hold a complete saved model (config and weights)."
+        else:
+            hint = (
+                "It is not a local directory, and the Hugging Face Hub could not resolve it (unknown id, no network, "
+                "or HF_HUB_OFFLINE=1). Pass a local path to a saved model, or a model object."
+            )
         raise ValueError(f"Could not load the {what} {model_id!r}: {e.__class__.__name__}: {e}. {hint}") from e
 
 

@@ -396,6 +396,12 @@ class PolicyTrainerBase(Trainer):
             return
         write_model_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags)
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """`Trainer.save_model`, plus the model card (README.md) beside the weights."""
+        super().save_model(output_dir, _internal_call)
+        if self.is_world_process_zero():
+            write_model_card(self, output_dir=output_dir or self.args.output_dir)
+
     def _save_checkpoint(self, model, trial):
         self.create_model_card(model_name=self.args.hub_model_id or os.path.basename(self.args.output_dir))
         super()._save_checkpoint(model, trial)

@@ -1,0 +1,40 @@
+"""2 CPU processes (gloo) through `accelerate launch`: the code paths that only exist with several processes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DDP_CONFIG = os.path.join(ROOT, "examples", "accelerate_configs", "multi_gpu.yaml")
+
+
+def launch(script_args, config=DDP_CONFIG, timeout=600):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, *script_args]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
+
+
+@pytest.mark.distributed
+def test_two_processes_train_and_gather_eval_records_without_duplicates(tmp_path):
+    launch([os.path.join(ROOT, "tests", "distributed", "run_rloo_eval.py"), str(tmp_path)])
+    result = json.load(open(tmp_path / "result.json"))
+    assert result["num_processes"] == 2
+    assert result["changed"] == result["total"]
+    indices = [r["index"] for r in result["records"]]
+    assert indices == list(range(7))  # every row once: no sampler padding duplicates, nothing lost
+    assert "eval_accuracy" in result["metrics"] and "eval_loss" in result["metrics"]
+    assert sum(r["correct"] for r in result["records"]) / 7 == result["metrics"]["eval_accuracy"]
+    assert any("kl" in log and "reward" in log for log in result["logs"])
+
+
+@pytest.mark.distributed
+def test_example_runs_with_two_processes(tmp_path):
+    out = tmp_path / "demo"
+    launch([os.path.join(ROOT, "examples", "rloo.py"), "--max_steps", "6", "--output_dir", str(out)])
+    for name in ("model.safetensors", "tokenizer.json", "README.md", "reward_curve.png", "config.json"):
+        assert (out / name).exists(), name
