@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from .base.answers import AnswerAccuracy, answers_match, extract_answer
+from .base.answers import answers_match, extract_answer
 from .base.config import PolicyConfig
 from .base.data import RepeatSampler
 from .base.generation import GenerationOutput, build_generation_config, generate_batched, unwrap_for_generation
@@ -34,3 +34,11 @@ __all__ = [
     "selective_log_softmax",
     "unwrap_for_generation",
 ]
+
+
+def __getattr__(name):
+    if name == "AnswerAccuracy":  # built on first use: `evaluate` is slow to import
+        from .base import answers
+
+        return answers.AnswerAccuracy
+    raise AttributeError(f"module 'trl_unified' has no attribute {name!r}")

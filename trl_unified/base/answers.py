@@ -3,9 +3,6 @@
 import re
 from collections.abc import Callable
 
-import datasets
-import evaluate
-
 _TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 
 
@@ -87,28 +84,43 @@ def answers_match(predicted: str | None, reference: str | None) -> bool:
     return predicted is not None and reference is not None and predicted == reference
 
 
-class AnswerAccuracy(evaluate.Metric):
-    """`evaluate` metric: fraction of predictions whose normalised answer equals the reference's.
+def _build_answer_accuracy():
+    # `evaluate` imports transformers.pipelines (seconds and tens of MB): only pay for it when the metric is used.
+    import datasets
+    import evaluate
 
-    An unparseable prediction (passed as `""`, since `evaluate` takes strings only) is counted wrong, and so is a
-    row whose reference is empty.
+    class AnswerAccuracy(evaluate.Metric):
+        """`evaluate` metric: fraction of predictions whose normalised answer equals the reference's.
 
-    Example:
-    ```python
-    >>> AnswerAccuracy().compute(predictions=["a", "", "B "], references=["a", "b", "b"])
-    {'accuracy': 0.6666666666666666}
-    ```
-    """
+        An unparseable prediction (passed as `""`, since `evaluate` takes strings only) is counted wrong, and so is a
+        row whose reference is empty.
 
-    def _info(self):
-        return evaluate.MetricInfo(
-            description="Exact-match accuracy of extracted answers (None never matches).",
-            citation="",
-            features=datasets.Features(
-                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
-            ),
-        )
+        Example:
+        ```python
+        >>> AnswerAccuracy().compute(predictions=["a", "", "B "], references=["a", "b", "b"])
+        {'accuracy': 0.6666666666666666}
+        ```
+        """
 
-    def _compute(self, predictions, references):
-        correct = [answers_match(p, r) for p, r in zip(predictions, references, strict=True)]
-        return {"accuracy": sum(correct) / len(correct) if correct else float("nan")}
+        def _info(self):
+            return evaluate.MetricInfo(
+                description="Exact-match accuracy of extracted answers (None never matches).",
+                citation="",
+                features=datasets.Features(
+                    {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
+                ),
+            )
+
+        def _compute(self, predictions, references):
+            correct = [answers_match(p, r) for p, r in zip(predictions, references, strict=True)]
+            return {"accuracy": sum(correct) / len(correct) if correct else float("nan")}
+
+    return AnswerAccuracy
+
+
+def __getattr__(name):
+    if name == "AnswerAccuracy":
+        cls = _build_answer_accuracy()
+        globals()["AnswerAccuracy"] = cls
+        return cls
+    raise AttributeError(name)

@@ -12,7 +12,8 @@ from accelerate.utils import gather_object, set_seed
 from datasets import Dataset, IterableDataset
 from transformers import Trainer
 
-from .answers import AnswerAccuracy, answers_match, extract_answer
+from . import answers as _answers
+from .answers import answers_match, extract_answer
 from .config import PolicyConfig
 from .data import RepeatSampler, column_names, get_images, shuffle_batch, split_batch
 from .generation import build_generation_config, generate_batched, get_eos_token_ids, get_tokenizer
@@ -318,7 +319,7 @@ class PolicyTrainerBase(Trainer):
             return {}
         predictions, references = [r["predicted"] for r in records], [r["reference"] for r in records]
         metrics = {
-            f"{metric_key_prefix}_accuracy": AnswerAccuracy().compute(
+            f"{metric_key_prefix}_accuracy": _answers.AnswerAccuracy().compute(
                 predictions=[p or "" for p in predictions], references=[r or "" for r in references]
             )["accuracy"],
             f"{metric_key_prefix}_answer_parse_rate": sum(p is not None for p in predictions) / len(predictions),

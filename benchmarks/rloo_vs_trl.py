@@ -1,0 +1,127 @@
+"""Speed and memory of trl_unified.RLOOTrainer vs trl.RLOOTrainer on the same workload, in one run.
+
+Workload: a Qwen2-style ~35M-parameter model built locally (random weights, 8k word-level vocabulary), batch 8,
+num_generations 4, 32 new tokens, beta 0.05, 10 steps, gradient checkpointing off, fp32 on CPU. Each trainer runs in
+its own fresh subprocess (so peak RSS is its own), TRL first, then ours. Reported: median seconds per step (first
+step excluded), generated tokens per second, peak RSS, and the ratios ours / TRL's on the last line:
+
+    ratio step_time=0.63 peak_rss=0.81
+
+Usage: python benchmarks/rloo_vs_trl.py [--threads 2] [--steps 10] [--repeats 1]
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def build_model(path: str) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trl_unified.testing import build_tokenizer
+
+    words = [f"w{i}" for i in range(8180)]
+    tokenizer = build_tokenizer(words=words)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1408, num_hidden_layers=9,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    import torch
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, vocab {len(tokenizer)}")
+
+
+def run_one(impl: str, model_path: str, steps: int, out: str) -> None:
+    """Train `steps` steps with `impl` ("trl" or "ours") and write timings to `out` (runs in a subprocess)."""
+    import torch
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast, TrainerCallback
+
+    if impl == "trl":
+        from trl import RLOOConfig, RLOOTrainer
+    else:
+        from trl_unified import RLOOConfig, RLOOTrainer
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
+    prompts = [" ".join(f"w{(i * 37 + j * 11) % 8000}" for j in range(8 + i % 9)) for i in range(256)]
+
+    def reward(completions, **kwargs):
+        return [c.count("w1") / max(1, len(c.split())) for c in completions]
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.times = []
+
+        def on_step_begin(self, *args, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *args, **kwargs):
+            self.times.append(time.perf_counter() - self.start)
+
+    timer = Timer()
+    args = RLOOConfig(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=8, num_generations=4, max_completion_length=32,
+        beta=0.05, max_steps=steps, learning_rate=1e-6, logging_steps=1, bf16=False, report_to=[],
+        save_strategy="no", gradient_checkpointing=False, seed=0, temperature=1.0,
+    )
+    trainer = RLOOTrainer(model_path, reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
+                          processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+    lengths = [log["completions/mean_length"] for log in trainer.state.log_history if "completions/mean_length" in log]
+    json.dump({"times": timer.times, "mean_completion_length": statistics.mean(lengths),
+               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+               "threads": torch.get_num_threads()}, open(out, "w"))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=1, help="alternate TRL/ours this many times; medians reported")
+    parser.add_argument("--child", nargs=3, metavar=("IMPL", "MODEL", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        run_one(args.child[0], args.child[1], args.steps, args.child[2])
+        return
+
+    workdir = tempfile.mkdtemp()
+    model_path = os.path.join(workdir, "model")
+    build_model(model_path)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    results = {"trl": [], "ours": []}
+    for _ in range(args.repeats):
+        for impl in ("trl", "ours"):
+            out = os.path.join(workdir, f"{impl}.json")
+            cmd = [sys.executable, __file__, "--threads", str(args.threads), "--steps", str(args.steps),
+                   "--child", impl, model_path, out]
+            subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            results[impl].append(json.load(open(out)))
+
+    summary = {}
+    for impl, runs in results.items():
+        step = statistics.median(statistics.median(r["times"][1:]) for r in runs)
+        tokens = 8 * statistics.median(r["mean_completion_length"] for r in runs)
+        rss = statistics.median(r["peak_rss_mb"] for r in runs)
+        summary[impl] = (step, tokens / step, rss)
+        print(f"{impl:>5}: {step:.3f} s/step (median, first step excluded), {tokens / step:.0f} generated tokens/s, "
+              f"peak RSS {rss:.0f} MB  [{args.threads} threads, {args.steps} steps, {args.repeats} run(s)]")
+    print(f"ratio step_time={summary['ours'][0] / summary['trl'][0]:.2f} peak_rss={summary['ours'][2] / summary['trl'][2]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
