@@ -11,10 +11,13 @@ from .base.papers import PAPERS
 from .base.reference import ReferenceModel
 from .base.rewards import RewardFunctions
 from .base.trainer import PolicyTrainerBase
+from .trainers.grm import GRMConfig, GRMTrainer
 from .trainers.rloo import RLOOConfig, RLOOTrainer, rloo_advantages
 
 __all__ = [
     "AnswerAccuracy",
+    "GRMConfig",
+    "GRMTrainer",
     "GenerationOutput",
     "PAPERS",
     "PolicyConfig",

@@ -113,3 +113,63 @@ def save_tiny_model(model, tokenizer, path: str) -> str:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + ' ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|> ' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ ' <|im_end|> ' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant ' }}{% endif %}"
+)
+
+
+def build_vision_language_model(words: list[str] | None = None, seed: int = 0):
+    """A tiny Qwen2-VL model (1 vision block, 2 text layers) and its processor (PIL image processor, no torchvision).
+
+    Returns `(model, processor)`. transformers 5.x checks a processor's parts against the torchvision-backed base
+    classes when torchvision is absent and fails; the check is skipped while the processor is built (the PIL image
+    processor itself needs no torchvision).
+    """
+    import torch
+    from transformers import ProcessorMixin, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = build_tokenizer(words)
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2,
+                                               temporal_patch_size=2)
+    check = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: type(arg)
+    try:
+        processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                                     chat_template=VL_CHAT_TEMPLATE)
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+    ids = tokenizer.convert_tokens_to_ids
+    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+                rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+    vision = dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, in_chans=3)
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
+                           video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
+                           vision_end_token_id=ids("<|vision_end|>"), eos_token_id=tokenizer.eos_token_id,
+                           bos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = None
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, processor
+
+
+def build_image(seed: int = 0, size: int = 56):
+    """A random RGB PIL image."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray((np.random.default_rng(seed).random((size, size, 3)) * 255).astype("uint8"))

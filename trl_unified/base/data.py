@@ -137,3 +137,57 @@ def split_batch(batch: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
         return value
 
     return [{key: take(value, i) for key, value in batch.items()} for i in range(num_chunks)]
+
+
+def split_prompt_completion(row: dict[str, Any], text_field: str = "text") -> tuple[Any, Any]:
+    """The (prompt, completion) of a training row, whatever its format.
+
+    - `prompt` + `completion` (standard strings, or conversational message lists);
+    - `messages`: the last turn must be the assistant's (the completion), the turns before it are the prompt;
+    - `text_field` only: no prompt, the whole text is the completion (plain language modelling).
+    """
+    if "prompt" in row and "completion" in row:
+        return row["prompt"], row["completion"]
+    if row.get("messages"):
+        messages = row["messages"]
+        if messages[-1].get("role") != "assistant":
+            raise ValueError(
+                f"The last message of a 'messages' row must be the assistant's (the judgment), got role "
+                f"{messages[-1].get('role')!r}. Append the judgment as an assistant turn."
+            )
+        return messages[:-1], messages[-1:]
+    if text_field in row:
+        return "", row[text_field]
+    raise ValueError(
+        f"Row has columns {sorted(row)}: expected 'prompt' + 'completion', 'messages', or {text_field!r}."
+    )
+
+
+def tokenize_prompt_completion(
+    processing_class, prompt, completion, chat_template_kwargs: dict | None = None, eos_token: str | None = None
+) -> tuple[list[int], list[int]]:
+    """Token ids of the prompt and of the completion, split where the prompt ends.
+
+    Conversational rows go through the chat template twice (prompt with a generation prompt, then prompt +
+    completion) and the boundary is where the two agree: this works for any chat template, and an error names the
+    template problem when the prompt's tokens are not a prefix of the whole conversation's. Standard rows are
+    tokenised separately and the EOS token is appended to the completion (as `trl.SFTTrainer` does).
+    """
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    kwargs = chat_template_kwargs or {}
+    if is_conversational_prompt(completion) or is_conversational_prompt(prompt):
+        prompt_ids = list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs)["input_ids"]) if prompt else []
+        full_ids = list(tokenizer.apply_chat_template(list(prompt or []) + list(completion), tokenize=True, return_dict=True, **kwargs)["input_ids"])
+        if full_ids[: len(prompt_ids)] != prompt_ids:
+            raise ValueError(
+                "The chat template renders the prompt with add_generation_prompt=True differently from the start of the "
+                "full conversation, so the judgment's tokens cannot be separated from the prompt's. Use a chat "
+                "template whose generation prompt is a prefix of the assistant turn."
+            )
+        return prompt_ids, full_ids[len(prompt_ids) :]
+    prompt_ids = list(tokenizer(prompt)["input_ids"]) if prompt else []
+    completion_ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"])
+    eos_id = tokenizer.convert_tokens_to_ids(eos_token) if eos_token else tokenizer.eos_token_id
+    if eos_id is not None and (not completion_ids or completion_ids[-1] != eos_id):
+        completion_ids.append(eos_id)
+    return prompt_ids, completion_ids

@@ -87,6 +87,13 @@ class PolicyTrainerBase(Trainer):
         self.reference = ReferenceModel.build(
             model, ref_model, args, self.needs_reference(args), adapter_is_pretrained, quantization_config
         )
+        train_dataset = self.prepare_dataset(train_dataset, processing_class, args, "train")
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: self.prepare_dataset(v, processing_class, args, k) for k, v in eval_dataset.items()}
+        else:
+            eval_dataset = self.prepare_dataset(eval_dataset, processing_class, args, "eval")
+        if data_collator is None and not self._online:
+            data_collator = self.make_data_collator(processing_class, args)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._step, self._buffer, self._pending_eval_metrics = 0, None, {}
         self.generative_metrics = list(generative_metrics or [])
@@ -117,6 +124,14 @@ class PolicyTrainerBase(Trainer):
     def needs_reference(self, args) -> bool:
         """Whether the algorithm uses a reference model (e.g. `args.beta != 0`)."""
         return False
+
+    def prepare_dataset(self, dataset, processing_class, args, name: str):
+        """Validate / tokenise a dataset before training (called once per dataset, before `Trainer.__init__`)."""
+        return dataset
+
+    def make_data_collator(self, processing_class, args):
+        """The collator used when the user passes none (None: `transformers.Trainer`'s default)."""
+        return None
 
     def compute_policy_loss(self, model, inputs, num_items_in_batch=None):
         """The algorithm's loss for one micro-batch. Return the loss, or `(loss, model_outputs)`."""
