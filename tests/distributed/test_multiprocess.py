@@ -38,3 +38,14 @@ def test_example_runs_with_two_processes(tmp_path):
     launch([os.path.join(ROOT, "examples", "rloo.py"), "--max_steps", "6", "--output_dir", str(out)])
     for name in ("model.safetensors", "tokenizer.json", "README.md", "reward_curve.png", "config.json"):
         assert (out / name).exists(), name
+
+
+@pytest.mark.distributed
+def test_grm_example_runs_with_two_processes(tmp_path):
+    out = tmp_path / "grm"
+    result = launch([os.path.join(ROOT, "examples", "grm.py"), "--max_steps", "10", "--output_dir", str(out)])
+    assert "eval accuracy before training" in result.stdout
+    records = sorted((out / "eval_records").glob("eval-step10.jsonl"))
+    assert records and len(records[0].read_text().splitlines()) == 20  # every held-out row once across 2 processes
+    for name in ("model.safetensors", "README.md", "tokenizer.json"):
+        assert (out / name).exists(), name

@@ -152,3 +152,9 @@ def disable_dropout(model: torch.nn.Module) -> None:
 def load_tokenizer(model_id: str, args):
     """`AutoTokenizer.from_pretrained` with the shared error message (used for reward models)."""
     return from_pretrained_checked(AutoTokenizer, model_id, "tokenizer", trust_remote_code=args.trust_remote_code)
+
+
+def load_model_plain(model_id: str, what: str = "model", **kwargs):
+    """Load a model by id/path with the auto class its config calls for (no training arguments involved)."""
+    config = from_pretrained_checked(AutoConfig, model_id, what)
+    return from_pretrained_checked(_auto_class_for(config), model_id, what, **kwargs)

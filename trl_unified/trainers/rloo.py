@@ -216,12 +216,6 @@ class RLOOTrainer(PolicyTrainerBase):
     def __init__(self, model, reward_funcs, args: RLOOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, ref_model=None):
-        if train_dataset is None:
-            raise ValueError("train_dataset is required: RLOOTrainer needs prompts to generate from.")
-        require_columns(train_dataset, [["prompt"]], "train_dataset", "RLOOTrainer")
-        for name, ds in (eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval_dataset", eval_dataset)]):
-            if ds is not None:
-                require_columns(ds, [["prompt"]], name, "RLOOTrainer")
         super().__init__(model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, ref_model=ref_model, callbacks=callbacks,
                          optimizers=optimizers, quantization_config=quantization_config, peft_config=peft_config)
@@ -240,6 +234,13 @@ class RLOOTrainer(PolicyTrainerBase):
             if self.reference.kind != "copy":
                 raise NotImplementedError("sync_ref_model=True needs a separate reference model; it is not supported with PEFT.")
             self.add_callback(SyncRefModelCallback(ref_model=self.reference.model, accelerator=self.accelerator))
+
+    def prepare_dataset(self, dataset, processing_class, args, name):
+        if dataset is None and name == "train":
+            raise ValueError("train_dataset is required: RLOOTrainer needs prompts to generate from.")
+        if dataset is not None:
+            require_columns(dataset, [["prompt"]], f"{name} dataset", "RLOOTrainer")
+        return dataset
 
     def needs_reference(self, args) -> bool:
         return args.beta != 0.0

@@ -1,0 +1,209 @@
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+from transformers import TrainerCallback
+
+from trl_unified import GRMConfig, GRMTrainer
+from trl_unified.testing import build_causal_lm, build_image, build_vision_language_model
+
+LLAMA3_TEMPLATE = (  # a different template shape: headers and an end-of-turn marker after every message
+    "{% for m in messages %}{{ '<|im_start|> ' + m['role'] + ' : ' + m['content'] + ' <|im_end|> ' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|> assistant : ' }}{% endif %}"
+)
+
+
+def judging_row(a, b):
+    return {"prompt": [{"role": "user", "content": f"which is larger : {a} or {b} ?"}],
+            "completion": [{"role": "assistant", "content": f"<answer> {max(a, b)} </answer>"}]}
+
+
+def grm_args(tmp_path, **overrides):
+    kwargs = dict(output_dir=str(tmp_path / "grm"), per_device_train_batch_size=4, max_steps=2, learning_rate=1e-3,
+                  logging_steps=1, bf16=False, report_to=[], save_strategy="no", gradient_checkpointing=False,
+                  max_completion_length=6, per_device_eval_batch_size=8, seed=0)
+    kwargs.update(overrides)
+    return GRMConfig(**kwargs)
+
+
+# ------------------------------------------------------------------ data and masks
+def labelled_text(trainer, row_index=0, dataset=None):
+    batch = trainer.data_collator([(dataset or trainer.train_dataset)[row_index]])
+    labels = batch["labels"][0, 1:]  # targets: position 0 is never predicted
+    return trainer.processing_class.decode(labels[labels != -100])
+
+
+@pytest.mark.parametrize("fmt", ["standard", "conversational", "messages", "other_template"])
+def test_loss_mask_covers_the_judgment_only(fmt, qwen2_model, tokenizer, tmp_path):
+    tok = tokenizer
+    if fmt == "standard":
+        data = {"prompt": ["which is larger : 3 or 7 ?"], "completion": ["<answer> 7 </answer>"]}
+        expected = "<answer> 7 </answer> <|endoftext|>"
+    elif fmt == "messages":
+        data = {"messages": [[{"role": "user", "content": "which is larger : 3 or 7 ?"},
+                              {"role": "assistant", "content": "<answer> 7 </answer>"}]]}
+        expected = "<answer> 7 </answer> <|im_end|>"
+    else:
+        data = {k: [v] for k, v in judging_row(3, 7).items()}
+        expected = "<answer> 7 </answer> <|im_end|>"
+        if fmt == "other_template":
+            tok = type(tokenizer)(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|endoftext|>",
+                                  pad_token="<pad>", unk_token="<unk>")
+            tok.chat_template = LLAMA3_TEMPLATE
+            expected = "<answer> 7 </answer> <|im_end|>"
+    trainer = GRMTrainer(qwen2_model, args=grm_args(tmp_path), train_dataset=Dataset.from_dict(data), processing_class=tok)
+    assert labelled_text(trainer) == expected
+
+
+def test_assistant_only_loss_uses_template_spans(qwen2_model, tokenizer, tmp_path):
+    data = {"messages": [[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b c"},
+                          {"role": "user", "content": "d"}, {"role": "assistant", "content": "<answer> e </answer>"}]]}
+    trainer = GRMTrainer(qwen2_model, args=grm_args(tmp_path, assistant_only_loss=True),
+                         train_dataset=Dataset.from_dict(data), processing_class=tokenizer)
+    assert labelled_text(trainer) == "b c <|im_end|> <answer> e </answer> <|im_end|>"  # both assistant turns
+
+
+def test_text_rows_learn_every_token(qwen2_model, tokenizer, tmp_path):
+    trainer = GRMTrainer(qwen2_model, args=grm_args(tmp_path), train_dataset=Dataset.from_dict({"text": ["a b c d"]}),
+                         processing_class=tokenizer)
+    assert labelled_text(trainer) == "b c d <|endoftext|>"  # position 0 is never a target
+
+
+# ------------------------------------------------------------------ loss
+def test_loss_matches_hand_computation(qwen2_model, tokenizer, tmp_path):
+    data = Dataset.from_list([judging_row(1, 5), judging_row(9, 2), judging_row(4, 3)])
+    trainer = GRMTrainer(qwen2_model, args=grm_args(tmp_path), train_dataset=data, processing_class=tokenizer)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(3)])
+    loss, _ = trainer.compute_policy_loss(trainer.model, batch, num_items_in_batch=torch.tensor(20))
+    logits = qwen2_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    total, count = 0.0, 0
+    for row in range(3):
+        for t in range(1, batch["input_ids"].size(1)):
+            if batch["labels"][row, t] != -100:
+                total -= torch.log_softmax(logits[row, t - 1], -1)[batch["labels"][row, t]]
+                count += 1
+    assert count == int((batch["labels"][:, 1:] != -100).sum()) > 0
+    torch.testing.assert_close(loss, total / 20)  # normalised by the step's judgment-token count, not the batch's
+    loss_eval, _ = trainer.compute_policy_loss(trainer.model, batch)
+    torch.testing.assert_close(loss_eval, total / count)
+
+
+class GradRecorder(TrainerCallback):
+    def __init__(self):
+        self.grads = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+def test_gradient_accumulation_gives_the_same_update(tokenizer, tmp_path):
+    rows = [judging_row(a, b) for a, b in [(1, 5), (9, 2), (4, 3), (7, 8), (0, 6), (12, 3), (5, 15), (2, 1)]]
+    rows[1]["completion"][0]["content"] = "it is 9 , so <answer> 9 </answer>"  # unequal judgment lengths
+    grads, params = {}, {}
+    for name, kw in {"bs8": dict(per_device_train_batch_size=8), "bs4_ga2": dict(per_device_train_batch_size=4, gradient_accumulation_steps=2)}.items():
+        recorder = GradRecorder()
+        trainer = GRMTrainer(build_causal_lm(tokenizer, "qwen2"), args=grm_args(tmp_path, max_steps=1, max_grad_norm=1e9, optim="sgd", **kw),
+                             train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[recorder])
+        trainer.get_train_dataloader = _ordered_loader(trainer)
+        trainer.train()
+        grads[name], params[name] = recorder.grads[0], dict(trainer.model.named_parameters())
+    for key in grads["bs8"]:
+        torch.testing.assert_close(grads["bs4_ga2"][key], grads["bs8"][key], rtol=1e-5, atol=1e-7, msg=key)
+        torch.testing.assert_close(params["bs4_ga2"][key], params["bs8"][key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+def _ordered_loader(trainer):
+    """The same row order in both runs (no shuffling), so the two splits see the same 8 rows."""
+    from torch.utils.data import DataLoader, SequentialSampler
+
+    def loader():
+        return trainer.accelerator.prepare(DataLoader(
+            trainer._remove_unused_columns(trainer.train_dataset, "training"), batch_size=trainer._train_batch_size,
+            sampler=SequentialSampler(trainer.train_dataset), collate_fn=trainer.data_collator))
+    return loader
+
+
+def test_training_changes_every_parameter_and_logs(qwen2_model, tokenizer, tmp_path):
+    data = Dataset.from_list([judging_row(a, b) for a, b in [(1, 5), (9, 2), (4, 3), (7, 8)]])
+    trainer = GRMTrainer(qwen2_model, args=grm_args(tmp_path), train_dataset=data, processing_class=tokenizer)
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    for name, p in trainer.model.named_parameters():
+        if name.endswith("k_proj.bias"):  # its gradient is exactly 0: softmax ignores a score shift shared by all keys
+            continue
+        assert not torch.equal(p, before[name]), name
+    assert {"loss", "mean_token_accuracy", "num_judgment_tokens"} <= set(trainer.state.log_history[0])
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("data, kwargs, match", [
+    ({"prompt": ["a"]}, {}, "needs the judgment"),
+    ({"messages": [[{"role": "user", "content": "a"}]]}, {}, "last message .* must be the assistant's"),
+    ({"prompt": ["a b c d e f g h"], "completion": ["<answer> a </answer>"]}, {"max_length": 6}, "Row 0 has no judgment tokens"),
+    ({"prompt": [], "completion": []}, {}, "empty"),
+])
+def test_bad_datasets_are_rejected_before_training(data, kwargs, match, qwen2_model, tokenizer, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        GRMTrainer(qwen2_model, args=grm_args(tmp_path, **kwargs), train_dataset=Dataset.from_dict(data),
+                   processing_class=tokenizer)
+
+
+def test_images_with_a_text_tokenizer_are_rejected(qwen2_model, tokenizer, tmp_path):
+    row = {**judging_row(1, 2), "images": [build_image(0)]}
+    trainer = GRMTrainer(qwen2_model, args=grm_args(tmp_path), train_dataset=Dataset.from_list([row] * 4),
+                         processing_class=tokenizer)
+    with pytest.raises(ValueError, match="processing class is a tokenizer"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("field, value", [("packing", True), ("padding_free", True), ("loss_type", "dft")])
+def test_unimplemented_sft_fields_raise(field, value, tmp_path):
+    with pytest.raises(NotImplementedError, match=field):
+        grm_args(tmp_path, **{field: value})
+
+
+# ------------------------------------------------------------------ evaluation and learning
+def test_grm_learns_to_judge_which_number_is_larger(tokenizer, tmp_path):
+    rng = random.Random(0)
+    pairs = [(a, b) for a in range(10) for b in range(10) if a != b]
+    rng.shuffle(pairs)
+    train, held_out = Dataset.from_list([judging_row(a, b) for a, b in pairs[:70]] * 4), Dataset.from_list([judging_row(a, b) for a, b in pairs[70:]])
+    args = grm_args(tmp_path, per_device_train_batch_size=16, learning_rate=3e-3, max_steps=150, logging_steps=50,
+                    lr_scheduler_type="constant", per_device_eval_batch_size=20)
+    trainer = GRMTrainer(build_causal_lm(tokenizer, "qwen2", hidden_size=64), args=args, train_dataset=train,
+                         eval_dataset=held_out, processing_class=tokenizer)
+    before = trainer.evaluate()["eval_accuracy"]
+    trainer.train()
+    after = trainer.evaluate()
+    print(f"held-out accuracy {before:.2f} -> {after['eval_accuracy']:.2f}")
+    assert after["eval_accuracy"] >= 0.8 > 0.5 + 0.2 and after["eval_accuracy"] > before + 0.3
+    records = [json.loads(line) for line in open(trainer.last_eval_records_path)]
+    assert len(records) == len(held_out) and all(r["reference"] == str(max(*_pair(r["prompt"]))) for r in records)
+
+
+def _pair(prompt):
+    words = prompt[0]["content"].split()
+    return int(words[4]), int(words[6])
+
+
+# ------------------------------------------------------------------ vision-language
+def test_vision_language_grm_trains_and_evaluates(tmp_path):
+    model, processor = build_vision_language_model()
+    rows = [{"prompt": [{"role": "user", "content": "which image is brighter ?"}],
+             "completion": [{"role": "assistant", "content": f"<answer> {'A' if i % 2 else 'B'} </answer>"}],
+             "images": [build_image(i)]} for i in range(8)]
+    rows[0] = {"prompt": rows[0]["prompt"], "completion": rows[0]["completion"], "image": build_image(0)}
+    rows = rows[1:]  # one shape per dataset: "images" rows
+    trainer = GRMTrainer(model, args=grm_args(tmp_path, max_steps=2), train_dataset=Dataset.from_list(rows),
+                         eval_dataset=Dataset.from_list(rows), processing_class=processor)
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    assert "pixel_values" in batch and processor.decode(batch["labels"][0][batch["labels"][0] != -100]) == "<answer> A </answer> <|im_end|>"
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert all(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if not n.endswith("k_proj.bias"))
+    metrics = trainer.evaluate()
+    assert "eval_accuracy" in metrics and "eval_loss" in metrics
+    assert len(open(trainer.last_eval_records_path).readlines()) == len(rows)
