@@ -30,4 +30,5 @@ def rloo_args(tmp_path, **overrides) -> RLOOConfig:
 
 def varied_reward(completions, **kwargs):
     """A reward with spread on random completions (so advantages are non-zero from the first step)."""
-    return [sum(ord(w[0]) % 7 for w in c.split()) / (7 * max(1, len(c.split()))) for c in completions]
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [sum(ord(w[0]) % 7 for w in t.split()) / (7 * max(1, len(t.split()))) for t in texts]

@@ -195,3 +195,55 @@ def test_no_extra_forward_when_generation_is_aligned(llama_path, tmp_path):
 
     assert policy_forwards() == 2  # 2 steps x 1 loss forward
     assert policy_forwards(num_iterations=2) == 3  # 1 generation: 1 old-log-prob forward + 2 loss forwards
+
+
+def test_log_completions_prints_samples_with_extra_columns(llama_path, tmp_path, capsys):
+    def reward(completions, log_extra, **kwargs):
+        log_extra("judge_note", [f"len={len(c)}" for c in completions])
+        return [float(len(c)) for c in completions]
+
+    trainer = RLOOTrainer(llama_path, reward, args=rloo_args(tmp_path, max_steps=1, log_completions=True,
+                                                             num_completions_to_print=2), train_dataset=prompt_dataset())
+    trainer.train()
+    out = capsys.readouterr().out
+    assert out.count("reward=") == 2 and "judge_note: len=" in out and "completion:" in out
+
+
+def test_vision_language_policy_with_images(tmp_path):
+    from trl_unified.testing import build_image, build_vision_language_model
+
+    model, processor = build_vision_language_model()
+    rows = [{"prompt": [{"role": "user", "content": "describe the image" if i % 2 else "a b"}], "image": build_image(i)}
+            for i in range(8)]
+    trainer = RLOOTrainer(model, varied_reward, args=rloo_args(tmp_path, beta=0.1, max_steps=2),
+                          train_dataset=Dataset.from_list(rows), processing_class=processor)
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
+    assert any(n.startswith("model.visual") for n in changed) and len(changed) == len(before)
+    assert "kl" in trainer.state.log_history[-2]
+
+
+def test_vision_language_logprobs_follow_greedy_generation():
+    """Left padding, images and M-RoPE positions line up: each greedy token is the argmax of the scored logits."""
+    from trl_unified import compute_token_logprobs, generate_batched
+    from trl_unified.testing import build_image, build_vision_language_model
+    from trl_unified.trainers.rloo import _model_image_inputs
+    from transformers import GenerationConfig
+    from trl import prepare_multimodal_messages
+
+    model, processor = build_vision_language_model()
+    prompts = [prepare_multimodal_messages([{"role": "user", "content": t}], images=[build_image(i)])
+               for i, t in enumerate(["a", "which image is larger ? a b c d"])]
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=processor.tokenizer.eos_token_id,
+                              pad_token_id=processor.tokenizer.pad_token_id)
+    out = generate_batched(model, processor, prompts, config, images=[[build_image(0)], [build_image(1)]])
+    batch = {"image_inputs": out.image_inputs, **{f"prompt_token_inputs.{k}": v for k, v in out.prompt_token_inputs.items()}}
+    ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+    mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
+    k = out.completion_ids.size(1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, **_model_image_inputs(batch, k, "cpu")).logits[:, -k - 1:-1]
+        logps = compute_token_logprobs(model, ids, mask, k, **_model_image_inputs(batch, k, "cpu")).logps
+    assert torch.equal(logits.argmax(-1)[out.completion_mask.bool()], out.completion_ids[out.completion_mask.bool()])
+    assert (logps[out.completion_mask.bool()] > -20).all()

@@ -23,6 +23,10 @@ class GenerationOutput:
         completion_mask (`torch.LongTensor`): `(N, C)`, 1 up to and including the first EOS.
         texts (`list[str]`): decoded completions (special tokens skipped); prompt + completion if not stripped.
         is_truncated (`torch.BoolTensor`): `(N,)`, True where the completion hit the length limit without EOS.
+        image_inputs (`list[dict]`, *optional*): per row, the processor's image tensors (e.g. `pixel_values`,
+            `image_grid_thw`) for a later forward pass over prompt + completion; None without images.
+        prompt_token_inputs (`dict[str, torch.Tensor]`): other per-token processor outputs (e.g.
+            `mm_token_type_ids`), `(N, P)`, left-padded with 0 like `prompt_ids`.
     """
 
     prompt_ids: torch.Tensor
@@ -31,6 +35,8 @@ class GenerationOutput:
     completion_mask: torch.Tensor
     texts: list[str]
     is_truncated: torch.Tensor
+    image_inputs: list[dict[str, torch.Tensor]] | None = None
+    prompt_token_inputs: dict[str, torch.Tensor] | None = None
 
     @property
     def completion_ids_list(self) -> list[list[int]]:
@@ -177,8 +183,16 @@ def _collate_chunk(encoded: list[dict[str, Any]], pad_token_id: int, pad_to_mult
         if key in ("input_ids", "attention_mask"):
             continue
         values = [e[key] for e in encoded]
-        batch[key] = torch.cat(values).to(device) if isinstance(values[0], torch.Tensor) else values
+        if _is_sequence_aligned(values[0], encoded[0]["input_ids"]):  # e.g. token_type_ids: padded like the ids
+            batch[key] = pad([v.view(-1) for v in values], 0, "left", pad_to_multiple_of).to(device)
+        else:
+            batch[key] = torch.cat(values).to(device) if isinstance(values[0], torch.Tensor) else values
     return batch
+
+
+def _is_sequence_aligned(value, input_ids) -> bool:
+    length = torch.as_tensor(input_ids).view(-1).numel()
+    return isinstance(value, torch.Tensor) and value.dim() == 2 and value.size(0) == 1 and value.size(1) == length
 
 
 def cut_after_eos(completion_ids: torch.Tensor, eos_token_ids: Sequence[int], pad_token_id: int):
@@ -283,4 +297,16 @@ def generate_batched(
         texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
     else:
         texts = tokenizer.batch_decode([p.tolist() + c for p, c in zip(prompt_tensors, kept)], skip_special_tokens=True)
-    return GenerationOutput(prompt_ids, prompt_mask, completion_ids, completion_mask, texts, is_truncated)
+    image_inputs, prompt_token_inputs = None, {}
+    for key, value in encoded[0].items():
+        if key not in ("input_ids", "attention_mask") and _is_sequence_aligned(value, encoded[0]["input_ids"]):
+            prompt_token_inputs[key] = pad([e[key].view(-1) for e in encoded], 0, "left", pad_to_multiple_of).to(device)
+    if images is not None:
+        image_inputs = [
+            {k: v for k, v in e.items() if k not in ("input_ids", "attention_mask") and isinstance(v, torch.Tensor)
+             and not _is_sequence_aligned(v, e["input_ids"])}
+            for e in encoded
+        ]
+    return GenerationOutput(
+        prompt_ids, prompt_mask, completion_ids, completion_mask, texts, is_truncated, image_inputs, prompt_token_inputs
+    )

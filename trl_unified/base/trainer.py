@@ -172,7 +172,14 @@ class PolicyTrainerBase(Trainer):
     # ------------------------------------------------------------------ generation and log-probs
     def generation_config(self, do_sample: bool = True, max_new_tokens: int | None = None):
         """`GenerationConfig` from the trainer's config (sampling for training, greedy for evaluation by default)."""
-        return build_generation_config(self.args, self.processing_class, self.eos_token_ids, do_sample, max_new_tokens)
+        config = build_generation_config(self.args, self.processing_class, self.eos_token_ids, do_sample, max_new_tokens)
+        model_config = self.accelerator.unwrap_model(self.model).config
+        placeholders = [getattr(model_config, k, None) for k in ("image_token_id", "video_token_id")]
+        placeholders = [t for t in placeholders if t is not None]
+        if placeholders and config.suppress_tokens is None:
+            # A generated image placeholder would ask the next forward for image features that do not exist.
+            config.suppress_tokens = placeholders
+        return config
 
     def generate(self, prompts, images=None, do_sample: bool = True, max_new_tokens: int | None = None, batch_size=None):
         """`generate_batched` with the policy, this trainer's accelerator and generation settings."""

@@ -20,12 +20,12 @@ With num_iterations == 1 the ratio is 1 and its gradient is A_i * grad log pi_th
 leave-one-out baseline. The Trainer divides L by the gradient-accumulation steps.
 """
 
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import gather, gather_object
-from trl import SyncRefModelCallback, is_conversational
+from trl import SyncRefModelCallback, is_conversational, prepare_multimodal_messages
 
 from ..base.config import PolicyConfig, document_fields
 from ..base.data import get_images, require_columns
@@ -56,6 +56,17 @@ def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     count = (~torch.isnan(x)).sum(dim=dim)
     variance = torch.nanmean((x - mean) ** 2, dim=dim) * count / (count - 1)
     return torch.where(count > 1, variance, torch.full_like(variance, float("nan"))).sqrt()
+
+
+def _model_image_inputs(batch: dict, completion_length: int, device) -> dict[str, torch.Tensor]:
+    """Model inputs for the images of `batch`'s rows: per-row tensors (pixel_values, image_grid_thw, ...)
+    concatenated, and per-token ones (e.g. mm_token_type_ids, `(B, P)`) extended with zeros over the completion."""
+    per_row = batch["image_inputs"]
+    inputs = {k: torch.cat([row[k] for row in per_row]).to(device) for k in per_row[0]}
+    for key, value in batch.items():
+        if key.startswith("prompt_token_inputs."):
+            inputs[key.split(".", 1)[1]] = torch.cat([value, value.new_zeros(value.size(0), completion_length)], dim=1)
+    return inputs
 
 
 @document_fields
@@ -230,6 +241,7 @@ class RLOOTrainer(PolicyTrainerBase):
         self.aux_coef = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
         self.aux_loss_enabled = hasattr(text_config, "output_router_logits") and bool(self.aux_coef)
         self._completions_log = deque(maxlen=self.args.generation_batch_size)
+        self._pending_extra: dict[str, list] = defaultdict(list)
         if self.args.sync_ref_model:
             if self.reference.kind != "copy":
                 raise NotImplementedError("sync_ref_model=True needs a separate reference model; it is not supported with PEFT.")
@@ -260,8 +272,10 @@ class RLOOTrainer(PolicyTrainerBase):
         prompts = [row["prompt"] for row in rows]
         images = [get_images(row) for row in rows]
         images = images if any(i is not None for i in images) else None
-        if images is not None and not is_conversational(rows[0]):
-            raise ValueError("Rows with images need conversational prompts (lists of messages), not plain strings.")
+        if images is not None:
+            if not is_conversational(rows[0]):
+                raise ValueError("Rows with images need conversational prompts (lists of messages), not plain strings.")
+            prompts = [prepare_multimodal_messages(p, images=i or []) for p, i in zip(prompts, images, strict=True)]
         out = self.generate(prompts, images=images)
         completion_mask = out.completion_mask
         if args.mask_truncated_completions:
@@ -274,17 +288,22 @@ class RLOOTrainer(PolicyTrainerBase):
         input_ids = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
         attention_mask = torch.cat([out.prompt_mask, completion_mask], dim=1)
         k, chunk = out.completion_ids.size(1), args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
+        image_kwargs = {}
+        if out.image_inputs is not None:  # kept per row so shuffling and splitting keep rows and images together
+            batch["image_inputs"] = out.image_inputs
+            batch.update({f"prompt_token_inputs.{k}": v for k, v in out.prompt_token_inputs.items()})
+            image_kwargs, chunk = _model_image_inputs(batch, out.completion_ids.size(1), device), None
         old_tok = ref_tok = None
         with torch.no_grad():
             if not self._reuses_policy_logps or mode == "eval":
-                old_tok = self.token_logprobs(self.model, input_ids, attention_mask, k, batch_size=chunk).logps
+                old_tok = self.token_logprobs(self.model, input_ids, attention_mask, k, batch_size=chunk, **image_kwargs).logps
                 batch["old_logps"] = (old_tok * completion_mask).sum(1)
             if self.reference.available:
-                ref_tok = self.reference_logprobs(input_ids, attention_mask, k, batch_size=chunk)
+                ref_tok = self.reference_logprobs(input_ids, attention_mask, k, batch_size=chunk, **image_kwargs)
         extra = {key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")}
         rewards_per_func = gather(self.rewards(
             prompts, completions, out.completion_ids_list, extra, device, args.chat_template_kwargs,
-            trainer_state=self.state, log_metric=self.log_metric, log_extra=lambda *a: None,
+            trainer_state=self.state, log_metric=self.log_metric, log_extra=self._log_extra,
         ))
         rewards = self.rewards.combine(rewards_per_func)  # (N_global,)
         if torch.isnan(rewards).all():
@@ -293,7 +312,10 @@ class RLOOTrainer(PolicyTrainerBase):
                 f"{self.state.global_step} (functions: {self.rewards.names}). At least one must score each batch."
             )
         self._log_reward_metrics(mode, rewards_per_func, rewards)
-        self._completions_log.extend(zip(gather_object(prompts), gather_object(completions), rewards.tolist()))
+        extra_columns = {name: gather_object(values) for name, values in sorted(self._pending_extra.items())}
+        self._pending_extra.clear()
+        extras = [{k: v[i] for k, v in extra_columns.items() if i < len(v)} for i in range(rewards.numel())]
+        self._completions_log.extend(zip(gather_object(prompts), gather_object(completions), rewards.tolist(), extras))
         n, rank = len(rows), self.accelerator.process_index
         if old_tok is None:  # advantages are computed in the loss, from the same forward
             batch["rewards"] = rewards[rank * n:(rank + 1) * n]
@@ -304,6 +326,10 @@ class RLOOTrainer(PolicyTrainerBase):
             kl = gather(self._sequence_kl(old_tok, ref_tok, completion_mask)) if ref_tok is not None else None
             batch["advantages"] = self._advantages(rewards, kl, mode)[rank * n:(rank + 1) * n]
         return batch
+
+    def _log_extra(self, column: str, values: list) -> None:
+        """`log_extra` for reward functions: a column (one value per completion) for the completions log."""
+        self._pending_extra[column].extend(values)
 
     def _sequence_kl(self, policy_tok, ref_tok, mask):
         """Per-sequence k1 KL estimate `sum_t (log pi - log pi_ref)` `(B,)`; logs the per-token mean as `kl`."""
@@ -332,8 +358,9 @@ class RLOOTrainer(PolicyTrainerBase):
         mask = inputs["completion_mask"]
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], mask], dim=1)
+        image_kwargs = _model_image_inputs(inputs, mask.size(1), mask.device) if "image_inputs" in inputs else {}
         out = self.token_logprobs(model, input_ids, attention_mask, mask.size(1), compute_entropy=True,
-                                  output_router_logits=self.aux_loss_enabled)
+                                  output_router_logits=self.aux_loss_enabled, **image_kwargs)
         logps = (out.logps * mask).sum(1)  # (B,); padding and post-EOS tokens masked
         old_logps = inputs["old_logps"] if "old_logps" in inputs else logps.detach()
         advantages = inputs["advantages"] if "advantages" in inputs else self._deferred_advantages(inputs, out.logps.detach())
@@ -391,7 +418,21 @@ class RLOOTrainer(PolicyTrainerBase):
         if self.args.log_completions and self.accelerator.is_main_process and self._completions_log:
             rows = list(self._completions_log)
             if self.args.log_unique_prompts:
-                rows = list({str(p): (p, c, r) for p, c, r in rows}.values())
-            for prompt, completion, reward in rows[: self.args.num_completions_to_print or len(rows)]:
-                print(f"[step {self.state.global_step}] reward={reward:.3f}\n  prompt: {prompt}\n  completion: {completion}")
+                rows = list({str(r[0]): r for r in rows}.values())
+            rows = rows[: self.args.num_completions_to_print or len(rows)]
+            for prompt, completion, reward, extra in rows:
+                extra_text = "".join(f"\n  {k}: {v}" for k, v in extra.items())
+                print(f"[step {self.state.global_step}] reward={reward:.3f}\n  prompt: {prompt}\n  completion: {completion}{extra_text}")
+            self._log_completions_table(rows)
+            self._completions_log.clear()  # each sample is shown once
         super().log(logs, start_time)
+
+    def _log_completions_table(self, rows):
+        report_to = self.args.report_to or []
+        if "wandb" in report_to:
+            import wandb
+
+            if wandb.run is not None:
+                columns = ["step", "prompt", "completion", "reward", *sorted({k for *_, e in rows for k in e})]
+                data = [[self.state.global_step, str(p), str(c), r, *[e.get(k) for k in columns[4:]]] for p, c, r, e in rows]
+                wandb.log({"completions": wandb.Table(columns=columns, data=data)})
