@@ -184,6 +184,12 @@ class PolicyConfig(TrainingArguments):
         self._check_unimplemented_fields()
         self._check_generation_fields()
 
+    def __getstate__(self):
+        # The Trainer pickles its args into training_args.bin, which push_to_hub uploads: never write the token.
+        state = self.__dict__.copy()
+        state["hub_token"] = None
+        return state
+
     def _check_unimplemented_fields(self):
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name, advice in self._unimplemented_fields.items():
