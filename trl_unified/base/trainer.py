@@ -87,6 +87,8 @@ class PolicyTrainerBase(Trainer):
         self.reference = ReferenceModel.build(
             model, ref_model, args, self.needs_reference(args), adapter_is_pretrained, quantization_config
         )
+        for dataset in (train_dataset, *(eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset])):
+            _check_images_fit(dataset, processing_class, model)
         train_dataset = self.prepare_dataset(train_dataset, processing_class, args, "train")
         if isinstance(eval_dataset, dict):
             eval_dataset = {k: self.prepare_dataset(v, processing_class, args, k) for k, v in eval_dataset.items()}
@@ -428,6 +430,24 @@ class PolicyTrainerBase(Trainer):
     def _save_checkpoint(self, model, trial):
         self.create_model_card(model_name=self.args.hub_model_id or os.path.basename(self.args.output_dir))
         super()._save_checkpoint(model, trial)
+
+
+def _check_images_fit(dataset, processing_class, model) -> None:
+    """Rows with images need a processor with an image processor and a vision-language model."""
+    names = column_names(dataset) or []
+    if not any(c in names for c in ("image", "images")):
+        return
+    if not hasattr(processing_class, "image_processor"):
+        raise ValueError(
+            f"The dataset has an image column ({[c for c in names if c in ('image', 'images')]}) but the processing "
+            f"class is a {type(processing_class).__name__}, not an image processor. Pass a vision-language model and "
+            "its AutoProcessor, or remove the image column."
+        )
+    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    if getattr(config, "vision_config", None) is None:
+        raise ValueError(
+            f"The dataset has images but the model ({type(model).__name__}) is text-only. Use a vision-language model."
+        )
 
 
 def _uses_iterable(*datasets) -> bool:

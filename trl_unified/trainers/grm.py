@@ -215,9 +215,6 @@ class _GRMCollator:
         return self._collate_multimodal(rows)
 
     def _collate_multimodal(self, rows):
-        if not hasattr(self.processing_class, "image_processor"):
-            raise ValueError("Rows carry images but the processing class is a tokenizer: pass the model's processor "
-                             "(AutoProcessor) as processing_class, and a vision-language model.")
         kwargs = self.args.chat_template_kwargs or {}
         full_texts, prompt_texts, images = [], [], []
         for row in rows:

@@ -301,15 +301,21 @@ class RLOOTrainer(PolicyTrainerBase):
             if self.reference.available:
                 ref_tok = self.reference_logprobs(input_ids, attention_mask, k, batch_size=chunk, **image_kwargs)
         extra = {key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")}
-        rewards_per_func = gather(self.rewards(
-            prompts, completions, out.completion_ids_list, extra, device, args.chat_template_kwargs,
-            trainer_state=self.state, log_metric=self.log_metric, log_extra=self._log_extra,
-        ))
+        try:
+            local_rewards = self.rewards(
+                prompts, completions, out.completion_ids_list, extra, device, args.chat_template_kwargs,
+                trainer_state=self.state, log_metric=self.log_metric, log_extra=self._log_extra,
+            )
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise type(e)(f"{e} [at global step {self.state.global_step}, on the batch whose first prompt is "
+                          f"{prompts[0]!r}; the last saved checkpoint is untouched]") from e
+        rewards_per_func = gather(local_rewards)
         rewards = self.rewards.combine(rewards_per_func)  # (N_global,)
         if torch.isnan(rewards).all():
             raise ValueError(
-                f"Every reward function returned None/NaN for all {rewards.numel()} completions at step "
-                f"{self.state.global_step} (functions: {self.rewards.names}). At least one must score each batch."
+                f"Every reward function returned None/NaN for all {rewards.numel()} completions at global step "
+                f"{self.state.global_step} (functions: {self.rewards.names}; first row: prompt {prompts[0]!r}, "
+                f"completion {completions[0]!r}). At least one function must score each batch."
             )
         self._log_reward_metrics(mode, rewards_per_func, rewards)
         extra_columns = {name: gather_object(values) for name, values in sorted(self._pending_extra.items())}
