@@ -430,6 +430,17 @@ class PolicyTrainerBase(Trainer):
     def _save_checkpoint(self, model, trial):
         self.create_model_card(model_name=self.args.hub_model_id or os.path.basename(self.args.output_dir))
         super()._save_checkpoint(model, trial)
+        if self._online:  # the generation buffer and micro-step counter, so a resume continues mid-round exactly
+            folder = os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}")
+            state = {"step": self._step, "buffer": self._buffer}
+            torch.save(state, os.path.join(folder, f"trl_unified_state_{self.accelerator.process_index}.pt"))
+
+    def _load_rng_state(self, checkpoint):
+        super()._load_rng_state(checkpoint)
+        path = os.path.join(checkpoint, f"trl_unified_state_{self.accelerator.process_index}.pt") if checkpoint else None
+        if self._online and path and os.path.exists(path):
+            state = torch.load(path, weights_only=False)
+            self._step, self._buffer = state["step"], state["buffer"]
 
 
 def _check_images_fit(dataset, processing_class, model) -> None:
