@@ -49,3 +49,28 @@ def test_grm_example_runs_with_two_processes(tmp_path):
     assert records and len(records[0].read_text().splitlines()) == 20  # every held-out row once across 2 processes
     for name in ("model.safetensors", "README.md", "tokenizer.json"):
         assert (out / name).exists(), name
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["rloo", "grm"])
+def test_ddp_two_processes_equal_one_process_and_accumulation(kind, tmp_path):
+    """2 processes x bs 4 == 1 process x bs 8 == bs 4 x accumulation 2 after 2 SGD steps (tolerance 1e-5)."""
+    script = os.path.join(ROOT, "tests", "distributed", "run_equivalence.py")
+    launch([script, kind, str(tmp_path), "ddp"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for layout in ("single", "ga"):
+        result = subprocess.run([sys.executable, script, kind, str(tmp_path), layout], capture_output=True, text=True,
+                                env=env, timeout=300, cwd=ROOT)
+        assert result.returncode == 0, result.stderr[-3000:]
+    import torch
+
+    runs = {layout: torch.load(tmp_path / f"{kind}-{layout}.pt") for layout in ("ddp", "single", "ga")}
+    assert runs["ddp"]["processes"] == 2 and runs["single"]["processes"] == 1
+    initial = __import__("trl_unified.testing", fromlist=["x"]).build_causal_lm(
+        __import__("trl_unified.testing", fromlist=["x"]).build_tokenizer(), "llama")
+    moved = 0
+    for name, p in runs["single"]["params"].items():
+        torch.testing.assert_close(runs["ddp"]["params"][name], p, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(runs["ga"]["params"][name], p, rtol=1e-5, atol=1e-5, msg=name)
+        moved += not torch.equal(p, dict(initial.named_parameters())[name].detach())
+    assert moved > 0

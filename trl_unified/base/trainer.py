@@ -120,7 +120,9 @@ class PolicyTrainerBase(Trainer):
         self.eos_token_ids = get_eos_token_ids(self.model, processing_class)
         if hasattr(self.model, "add_model_tags"):
             self.model.add_model_tags(self._tag_names)
-        set_seed(self.args.seed, device_specific=True)  # each process samples differently, reproducibly
+        # Online trainers: each process samples different completions, reproducibly (their samplers have their own
+        # seeded generator). Offline ones keep one seed everywhere: accelerate derives the shared shuffling from it.
+        set_seed(self.args.seed, device_specific=self._online)
 
     # ------------------------------------------------------------------ hooks for subclasses
     def needs_reference(self, args) -> bool:

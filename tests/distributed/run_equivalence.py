@@ -1,0 +1,50 @@
+"""Run by test_multiprocess.py: 2 steps of RLOO or GRM with a given layout (ddp: 2 processes x bs 4;
+single: 1 x bs 8; ga: 1 x bs 4 x accumulation 2); the main process saves the final parameters."""
+
+import os
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+
+from datasets import Dataset  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
+
+from trl_unified import GRMConfig, GRMTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
+from trl_unified.testing import build_causal_lm, build_tokenizer  # noqa: E402
+
+kind, out, layout = sys.argv[1], sys.argv[2], sys.argv[3]
+batch = {"ddp": dict(per_device_train_batch_size=4), "single": dict(per_device_train_batch_size=8),
+         "ga": dict(per_device_train_batch_size=4, gradient_accumulation_steps=2)}[layout]
+common = dict(output_dir=f"{out}/{layout}", max_steps=2, optim="sgd", learning_rate=0.1, bf16=False, report_to=[],
+              save_strategy="no", gradient_checkpointing=False, seed=0, logging_steps=1, max_grad_norm=1e9,
+              lr_scheduler_type="constant", disable_tqdm=True, **batch)
+
+
+def fake_generate(self, input_ids, attention_mask=None, generation_config=None, **kwargs):
+    """Completions that depend only on the prompt and its occurrence in the call, not on the process layout."""
+    seen, rows = {}, []
+    for prompt, mask in zip(input_ids, attention_mask):
+        key = tuple(prompt[mask.bool()].tolist())
+        k = seen[key] = seen.get(key, -1) + 1
+        rows.append([(sum(key) * 3 + 11 * k + 7 * j) % 60 + 10 for j in range(5)])
+    return torch.cat([input_ids, torch.tensor(rows)], dim=1)
+
+
+tokenizer = build_tokenizer()
+model = build_causal_lm(tokenizer, "llama")
+if kind == "rloo":
+    LlamaForCausalLM.generate = fake_generate
+    args = RLOOConfig(num_generations=4, max_completion_length=5, beta=0.1, **common)
+    trainer = RLOOTrainer(model, lambda completion_ids, **kw: [(ids[0] % 5) / 5 for ids in completion_ids], args=args,
+                          train_dataset=Dataset.from_dict({"prompt": ["a b c", "d e"]}), processing_class=tokenizer)
+else:
+    data = Dataset.from_dict({"prompt": [f"which is larger : {a} or {b} ?" for a, b in [(1, 2), (3, 9), (4, 0), (7, 5)] * 2],
+                              "completion": ["<answer> 2 </answer>", "it is <answer> 9 </answer>", "<answer> 4 </answer>",
+                                             "so the answer is <answer> 7 </answer>"] * 2})
+    trainer = GRMTrainer(model, args=GRMConfig(**common), train_dataset=data, processing_class=tokenizer)
+trainer.train()
+if trainer.accelerator.is_main_process:
+    params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+    torch.save({"params": params, "processes": trainer.accelerator.num_processes}, f"{out}/{kind}-{layout}.pt")
