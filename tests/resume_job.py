@@ -1,4 +1,4 @@
-"""Run by test_resume.py in a subprocess: train (mode=full), train and SIGKILL itself right after checkpoint-4
+"""Run by test_resume.py in a subprocess: train (mode=full), train and SIGKILL itself right after checkpoint-3
 (mode=kill), or resume from the last checkpoint (mode=resume). Writes final parameters and the log history."""
 
 import json
@@ -21,7 +21,7 @@ kind, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 
 class KillAfterCheckpoint(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
-        if state.global_step == 4:
+        if state.global_step == 3:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -31,7 +31,7 @@ def varied(completions, **kwargs):
 
 tokenizer = build_tokenizer()
 model = build_causal_lm(tokenizer, "llama")
-common = dict(output_dir=f"{out}/{kind}", max_steps=6, save_strategy="steps", save_steps=2, logging_steps=1,
+common = dict(output_dir=f"{out}/{kind}", max_steps=6, save_strategy="steps", save_steps=3, logging_steps=1,
               learning_rate=1e-2, bf16=False, report_to=[], gradient_checkpointing=False, seed=3, disable_tqdm=True)
 callbacks = [KillAfterCheckpoint()] if mode == "kill" else []
 if kind == "grm":

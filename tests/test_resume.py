@@ -27,7 +27,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(kind, tmp_path):
     assert full.returncode == 0, full.stderr[-3000:]
     killed = run(kind, tmp_path / "interrupted", "kill")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert os.path.isdir(tmp_path / "interrupted" / kind / "checkpoint-4")
+    assert os.path.isdir(tmp_path / "interrupted" / kind / "checkpoint-3")
     assert not os.path.exists(tmp_path / "interrupted" / f"{kind}-kill.pt")  # it really died before the end
     resumed = run(kind, tmp_path / "interrupted", "resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -36,9 +36,9 @@ def test_resume_after_sigkill_matches_uninterrupted_run(kind, tmp_path):
     got = torch.load(tmp_path / "interrupted" / f"{kind}-resume.pt")
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
-    logs_full = [l for l in json.load(open(tmp_path / "full" / f"{kind}-full.json")) if "loss" in l and l["step"] > 4]
-    logs_resumed = [l for l in json.load(open(tmp_path / "interrupted" / f"{kind}-resume.json")) if "loss" in l and l["step"] > 4]
-    assert [l["step"] for l in logs_resumed] == [5, 6]
+    logs_full = [l for l in json.load(open(tmp_path / "full" / f"{kind}-full.json")) if "loss" in l and l["step"] > 3]
+    logs_resumed = [l for l in json.load(open(tmp_path / "interrupted" / f"{kind}-resume.json")) if "loss" in l and l["step"] > 3]
+    assert [l["step"] for l in logs_resumed] == [4, 5, 6]
     for a, b in zip(logs_resumed, logs_full):
         for key in b:
             if key not in ("epoch",):
