@@ -90,3 +90,19 @@ def test_quantised_policy_without_peft_is_rejected(llama_path, tmp_path):
     with pytest.raises(ValueError, match="quantised .* no peft_config"):
         RLOOTrainer(llama_path, varied_reward, args=rloo_args(tmp_path, model_init_kwargs={"device_map": "cpu"}),
                     train_dataset=prompt_dataset(), quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+
+
+def test_trust_remote_code_is_off_unless_asked(llama_path, tmp_path, monkeypatch):
+    import transformers
+
+    seen = []
+    original = transformers.AutoModelForCausalLM.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        seen.append(kwargs.get("trust_remote_code"))
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(spy))
+    RLOOTrainer(llama_path, varied_reward, args=rloo_args(tmp_path), train_dataset=prompt_dataset())
+    RLOOTrainer(llama_path, varied_reward, args=rloo_args(tmp_path, trust_remote_code=True), train_dataset=prompt_dataset())
+    assert seen == [False, True]
