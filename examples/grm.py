@@ -69,7 +69,7 @@ def main():
                                            "attn_implementation": model_args.attn_implementation,
                                            **(training_args.model_init_kwargs or {})}
         processing_class = AutoProcessor.from_pretrained(model, padding_side="left",
-                                                         trust_remote_code=model_args.trust_remote_code)
+                                                         trust_remote_code=training_args.trust_remote_code)
         dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
         train_dataset = dataset[script_args.dataset_train_split]
         eval_dataset = dataset.get(script_args.dataset_test_split)

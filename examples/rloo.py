@@ -85,7 +85,7 @@ def main():
         quantization = get_quantization_config(model_args)
         if quantization is not None:
             training_args.model_init_kwargs["device_map"] = "auto"
-        tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left", trust_remote_code=model_args.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left", trust_remote_code=training_args.trust_remote_code)
         dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
         train_dataset = dataset[script_args.dataset_train_split]
         eval_dataset = dataset.get(script_args.dataset_test_split) if training_args.eval_strategy != "no" else None

@@ -109,3 +109,8 @@ def test_generate_batched_encoder_decoder(t5_path):
     singles = [generate_batched(model, tokenizer, [p], config).completion_ids_list[0] for p in PROMPTS]
     assert out.completion_ids_list == singles
     assert all(0 < len(ids) <= 6 for ids in singles)
+
+
+def test_generate_batched_with_no_prompts_returns_empty(qwen2_model, tokenizer):
+    out = generate_batched(qwen2_model, tokenizer, [], greedy(tokenizer))
+    assert out.texts == [] and out.completion_ids.shape[0] == 0 and out.completion_ids_list == []

@@ -206,3 +206,10 @@ def test_vision_language_grm_trains_and_evaluates(tmp_path):
     metrics = trainer.evaluate()
     assert "eval_accuracy" in metrics and "eval_loss" in metrics
     assert len(open(trainer.last_eval_records_path).readlines()) == len(rows)
+
+
+def test_formatting_func_builds_text_rows(qwen2_model, tokenizer, tmp_path):
+    data = Dataset.from_dict({"question": ["a b"], "verdict": ["c d"]})
+    trainer = GRMTrainer(qwen2_model, args=grm_args(tmp_path), train_dataset=data, processing_class=tokenizer,
+                         formatting_func=lambda row: f"{row['question']} {row['verdict']}")
+    assert labelled_text(trainer) == "b c d <|endoftext|>"

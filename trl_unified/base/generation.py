@@ -285,6 +285,9 @@ def generate_batched(
             new_tokens = sequences[:, 1:] if is_encoder_decoder else sequences[:, chunk["input_ids"].size(1) :]
             completions.extend(new_tokens.cpu())
 
+    if not encoded:  # nothing to generate here (e.g. this process's share of a small eval set)
+        empty = torch.zeros(0, 0, dtype=torch.long, device=device)
+        return GenerationOutput(empty, empty, empty, empty, [], torch.zeros(0, dtype=torch.bool, device=device))
     prompt_tensors = [torch.as_tensor(e["input_ids"]).view(-1) for e in encoded]
     prompt_ids = pad(prompt_tensors, pad_token_id, "left", pad_to_multiple_of).to(device)
     prompt_mask = pad([torch.ones_like(t) for t in prompt_tensors], 0, "left", pad_to_multiple_of).to(device)

@@ -323,23 +323,22 @@ class PolicyTrainerBase(Trainer):
         if not self.args.generative_eval or dataset is None or (names is not None and not self._has_reference(names)):
             return {}
         local = [(i, row) for i, row in self._local_eval_rows(dataset) if self.reference_answer(row) is not None]
+        prompts = [self.eval_prompt(row) for _, row in local]
+        images = [get_images(row) for _, row in local]
+        # Every process generates, even with no rows: under ZeRO-3 the parameter gather is a collective.
+        out = self.generate(
+            prompts,
+            images=images if any(img is not None for img in images) else None,
+            do_sample=self.args.eval_do_sample,
+            max_new_tokens=self.args.eval_max_new_tokens,
+            batch_size=self.args.per_device_eval_batch_size,
+        )
         records = []
-        if local:
-            prompts = [self.eval_prompt(row) for _, row in local]
-            images = [get_images(row) for _, row in local]
-            images = images if any(img is not None for img in images) else None
-            out = self.generate(
-                prompts,
-                images=images,
-                do_sample=self.args.eval_do_sample,
-                max_new_tokens=self.args.eval_max_new_tokens,
-                batch_size=self.args.per_device_eval_batch_size,
-            )
-            for (index, row), prompt, text in zip(local, prompts, out.texts, strict=True):
-                reference = extract_answer(self.reference_answer(row), lambda s: s)
-                predicted = extract_answer(text, self.args.answer_extractor)
-                correct = answers_match(predicted, reference)
-                records.append(dict(index=index, prompt=prompt, generation=text, predicted=predicted, reference=reference, correct=correct))
+        for (index, row), prompt, text in zip(local, prompts, out.texts, strict=True):
+            reference = extract_answer(self.reference_answer(row), lambda s: s)
+            predicted = extract_answer(text, self.args.answer_extractor)
+            correct = answers_match(predicted, reference)
+            records.append(dict(index=index, prompt=prompt, generation=text, predicted=predicted, reference=reference, correct=correct))
         records = sorted(gather_object(records), key=lambda r: r["index"])
         if not records:
             return {}
@@ -409,8 +408,8 @@ class PolicyTrainerBase(Trainer):
                 merged[key][1] += count
         prefix = "eval_" if mode == "eval" else ""
         for key, (total, count) in sorted(merged.items()):
-            if key == "num_tokens":  # a running total, not an average
-                logs[f"{prefix}{key}"] = total / max(count, 1)
+            if key == "num_tokens":  # a running total, not an average: report the latest
+                logs[f"{prefix}{key}"] = float(self.state.num_input_tokens_seen)
             else:
                 logs[f"{prefix}{key}"] = total / count if count else None
         self._metrics[mode].clear()

@@ -1,0 +1,51 @@
+"""The examples' TRL-style command lines (YAML config, model path, local dataset, LoRA flags), in one process."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_example(name, args, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_DISABLED": "true"}
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), *args], capture_output=True,
+                            text=True, env=env, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def test_rloo_example_real_run_from_yaml_with_lora(llama_path, tmp_path):
+    data_dir = tmp_path / "prompts"
+    data_dir.mkdir()
+    with open(data_dir / "train.jsonl", "w") as f:
+        for p in ["a b c", "d e", "f g", "h i j"] * 4:
+            f.write(json.dumps({"prompt": p}) + "\n")
+    (tmp_path / "cfg.yaml").write_text(
+        f"model_name_or_path: {llama_path}\ndataset_name: {data_dir}\noutput_dir: {tmp_path / 'out'}\n"
+        "max_steps: 2\nper_device_train_batch_size: 4\nnum_generations: 2\nmax_completion_length: 6\n"
+        "learning_rate: 0.01\nsave_strategy: 'no'\nreport_to: none\ngradient_checkpointing: false\n"
+        "use_peft: true\nlora_r: 4\nlora_target_modules: [q_proj, v_proj]\n"
+    )
+    result = run_example("rloo.py", ["--config", str(tmp_path / "cfg.yaml"), "--logging_steps", "1"], tmp_path)
+    assert "reward at start" in result.stdout
+    for name in ("adapter_model.safetensors", "adapter_config.json", "README.md", "reward_curve.png"):
+        assert (tmp_path / "out" / name).exists(), name
+
+
+def test_grm_example_real_run_from_command_line(llama_path, tmp_path):
+    data_dir = tmp_path / "judgments"
+    data_dir.mkdir()
+    rows = [{"prompt": [{"role": "user", "content": f"which is larger : {a} or {b} ?"}],
+             "completion": [{"role": "assistant", "content": f"<answer> {max(a, b)} </answer>"}]}
+            for a, b in [(1, 2), (5, 3), (7, 9), (4, 0)]]
+    for split in ("train", "test"):
+        with open(data_dir / f"{split}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    result = run_example("grm.py", ["--model_name_or_path", llama_path, "--dataset_name", str(data_dir),
+                                    "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--report_to", "none",
+                                    "--save_strategy", "no", "--per_device_train_batch_size", "2",
+                                    "--gradient_checkpointing", "false", "--max_completion_length", "6"], tmp_path)
+    assert "eval accuracy before training" in result.stdout
+    assert (tmp_path / "out" / "model.safetensors").exists() and (tmp_path / "out" / "eval_records").is_dir()
