@@ -71,15 +71,8 @@ class ReferenceModel:
     def prepare(self, accelerator) -> None:
         """Place the separate reference on the engine in use: DeepSpeed (ZeRO-3 stays sharded, lower stages run
         inference-only), FSDP (sharded like the policy), or device placement without DDP."""
-        if self.kind != "copy":
-            return
-        if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
-            self.model = _prepare_deepspeed(self.model, accelerator)
-        elif getattr(accelerator.state, "fsdp_plugin", None) is not None:
-            self.model = _prepare_fsdp(self.model, accelerator)
-        else:
-            self.model = accelerator.prepare_model(self.model, evaluation_mode=True)
-        self.model.eval()
+        if self.kind == "copy":
+            self.model = prepare_frozen_model(self.model, accelerator)
 
     @property
     def available(self) -> bool:
@@ -106,6 +99,19 @@ class ReferenceModel:
         finally:
             peft_model.set_adapter(active)
             _freeze_adapter(peft_model, REF_ADAPTER)
+
+
+def prepare_frozen_model(model, accelerator):
+    """Place a frozen model (reference, reward model) on the engine in use: DeepSpeed (ZeRO-3 sharded, lower stages
+    inference-only), FSDP (sharded like the policy), or plain device placement without DDP. Returns it in eval mode."""
+    if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
+        model = _prepare_deepspeed(model, accelerator)
+    elif getattr(accelerator.state, "fsdp_plugin", None) is not None:
+        model = _prepare_fsdp(model, accelerator)
+    else:
+        model = accelerator.prepare_model(model, evaluation_mode=True)
+    model.eval()  # (DeepSpeedEngine.eval() returns None: do not chain it)
+    return model
 
 
 def _freeze_adapter(model, name: str) -> None:

@@ -84,9 +84,6 @@ class PolicyTrainerBase(Trainer):
         prepare_peft_checkpointing(model, args)
         if args.disable_dropout:
             disable_dropout(model)
-        self.reference = ReferenceModel.build(
-            model, ref_model, args, self.needs_reference(args), adapter_is_pretrained, quantization_config
-        )
         for dataset in (train_dataset, *(eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset])):
             _check_images_fit(dataset, processing_class, model)
         train_dataset = self.prepare_dataset(train_dataset, processing_class, args, "train")
@@ -94,6 +91,9 @@ class PolicyTrainerBase(Trainer):
             eval_dataset = {k: self.prepare_dataset(v, processing_class, args, k) for k, v in eval_dataset.items()}
         else:
             eval_dataset = self.prepare_dataset(eval_dataset, processing_class, args, "eval")
+        self.reference = ReferenceModel.build(
+            model, ref_model, args, self.needs_reference(args), adapter_is_pretrained, quantization_config
+        )
         if data_collator is None and not self._online:
             data_collator = self.make_data_collator(processing_class, args)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}

@@ -30,6 +30,7 @@ from trl import SyncRefModelCallback, is_conversational, prepare_multimodal_mess
 from ..base.config import PolicyConfig, document_fields
 from ..base.data import get_images, require_columns
 from ..base.papers import PAPERS
+from ..base.reference import prepare_frozen_model
 from ..base.rewards import RewardFunctions
 from ..base.trainer import PolicyTrainerBase
 
@@ -232,7 +233,7 @@ class RLOOTrainer(PolicyTrainerBase):
                          optimizers=optimizers, quantization_config=quantization_config, peft_config=peft_config)
         self.rewards = RewardFunctions(reward_funcs, reward_processing_classes, self.args.reward_weights, self.args)
         for i, reward_model in self.rewards.models():
-            self.rewards.funcs[i] = self.accelerator.prepare_model(reward_model, evaluation_mode=True)
+            self.rewards.funcs[i] = prepare_frozen_model(reward_model.requires_grad_(False), self.accelerator)
         self.loss_is_scaled_for_ga = False  # per-micro-batch mean: the Trainer divides by gradient accumulation
         text_config = self.accelerator.unwrap_model(self.model).config.get_text_config()
         coef = self.args.router_aux_loss_coef
@@ -318,7 +319,9 @@ class RLOOTrainer(PolicyTrainerBase):
                 f"completion {completions[0]!r}). At least one function must score each batch."
             )
         self._log_reward_metrics(mode, rewards_per_func, rewards)
-        extra_columns = {name: gather_object(values) for name, values in sorted(self._pending_extra.items())}
+        # Every process must join each gather: agree on the column names first (a column may be logged on one rank).
+        names = sorted(set(gather_object(list(self._pending_extra)))) if self.accelerator.num_processes > 1 else sorted(self._pending_extra)
+        extra_columns = {name: gather_object(self._pending_extra.get(name, [None] * len(rows))) for name in names}
         self._pending_extra.clear()
         extras = [{k: v[i] for k, v in extra_columns.items() if i < len(v)} for i in range(rewards.numel())]
         self._completions_log.extend(zip(gather_object(prompts), gather_object(completions), rewards.tolist(), extras))
