@@ -19,7 +19,6 @@ With arguments it is a TRL-style script (script args + RLOOConfig + ModelConfig,
 import os
 import sys
 from dataclasses import dataclass, field
-from statistics import mean
 
 from datasets import Dataset, load_dataset
 from transformers import AutoTokenizer
@@ -103,8 +102,8 @@ def main():
 
     rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
     if trainer.accelerator.is_main_process and rewards:
-        window = max(1, min(3, len(rewards) // 2))
-        print(f"reward at start: {mean(rewards[:window]):.3f}   reward at end: {mean(rewards[-window:]):.3f}")
+        print(f"reward at start: {rewards[0]:.3f}   reward at end: {rewards[-1]:.3f}   (first and last logged means, "
+              f"over {len(rewards)} logs)")
         save_reward_curve(trainer.state.log_history, os.path.join(training_args.output_dir, "reward_curve.png"))
         print(f"model, tokenizer, model card and reward curve saved to {training_args.output_dir}")
     if training_args.push_to_hub:

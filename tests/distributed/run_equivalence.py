@@ -1,7 +1,6 @@
 """Run by test_multiprocess.py: 2 steps of RLOO or GRM with a given layout (ddp: 2 processes x bs 4;
 single: 1 x bs 8; ga: 1 x bs 4 x accumulation 2); the main process saves the final parameters."""
 
-import os
 import sys
 
 import torch

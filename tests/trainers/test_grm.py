@@ -3,7 +3,6 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 from datasets import Dataset
 from transformers import TrainerCallback
 

@@ -7,7 +7,7 @@ import torch
 import trl
 from datasets import Dataset, IterableDataset
 
-from tests.helpers import count_a, prompt_dataset, rloo_args, varied_reward
+from tests.helpers import prompt_dataset, rloo_args, varied_reward
 from trl_unified import RLOOConfig, RLOOTrainer, rloo_advantages
 from trl_unified.trainers.rloo import nanstd
 
@@ -41,8 +41,7 @@ def test_kl_shaping_and_normalisation_in_trainer(llama_path, tmp_path):
                                                                     reward_clip_range=(0.0, 2.0)), train_dataset=prompt_dataset())
     rewards = torch.tensor([1.0, 3.0, 0.0, 2.0])  # 3.0 is clipped to 2.0
     kl = torch.tensor([0.2, 0.0, 1.0, 0.0])
-    shaped = torch.tensor([1.0, 2.0, 0.0, 2.0]) - 0.5 * kl  # [0.9, 2.0, -0.5, 2.0]
-    loo = torch.tensor([0.9 - 2.0, 2.0 - 0.9, -0.5 - 2.0, 2.0 + 0.5])
+    loo = torch.tensor([0.9 - 2.0, 2.0 - 0.9, -0.5 - 2.0, 2.0 + 0.5])  # shaped r - 0.5 kl = [0.9, 2.0, -0.5, 2.0]
     expected = (loo - loo.mean()) / (loo.std() + 1e-4)
     torch.testing.assert_close(trainer._advantages(rewards, kl, "train"), expected)
 
