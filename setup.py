@@ -1,9 +1,10 @@
 from setuptools import find_packages, setup
 
+
 EXTRAS = {
     "deepspeed": ["deepspeed>=0.16"],
     "quantization": ["bitsandbytes>=0.45"],
-    "dev": ["pytest>=8", "matplotlib>=3.8", "pyyaml>=6"],
+    "dev": ["pytest>=8", "matplotlib>=3.8", "pyyaml>=6", "ruff>=0.6"],
     "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
     "examples": ["matplotlib>=3.8"],
 }
@@ -12,7 +13,7 @@ EXTRAS["all"] = sorted({dep for deps in EXTRAS.values() for dep in deps})
 setup(
     name="trl_unified",
     version="0.1.0",
-    description="Policy trainers (RLOO, generative reward models) on one shared PolicyTrainerBase(transformers.Trainer)",
+    description="Policy trainers (RLOO, GRM) on one shared PolicyTrainerBase(transformers.Trainer)",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",

@@ -29,9 +29,16 @@ def build_model(path: str) -> None:
     words = [f"w{i}" for i in range(8180)]
     tokenizer = build_tokenizer(words=words)
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1408, num_hidden_layers=9,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=9,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     import torch
 
@@ -72,17 +79,40 @@ def run_one(impl: str, model_path: str, steps: int, out: str) -> None:
 
     timer = Timer()
     args = RLOOConfig(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=8, num_generations=4, max_completion_length=32,
-        beta=0.05, max_steps=steps, learning_rate=1e-6, logging_steps=1, bf16=False, report_to=[],
-        save_strategy="no", gradient_checkpointing=False, seed=0, temperature=1.0,
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=32,
+        beta=0.05,
+        max_steps=steps,
+        learning_rate=1e-6,
+        logging_steps=1,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        gradient_checkpointing=False,
+        seed=0,
+        temperature=1.0,
     )
-    trainer = RLOOTrainer(model_path, reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
-                          processing_class=tokenizer, callbacks=[timer])
+    trainer = RLOOTrainer(
+        model_path,
+        reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
     trainer.train()
     lengths = [log["completions/mean_length"] for log in trainer.state.log_history if "completions/mean_length" in log]
-    json.dump({"times": timer.times, "mean_completion_length": statistics.mean(lengths),
-               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-               "threads": torch.get_num_threads()}, open(out, "w"))
+    json.dump(
+        {
+            "times": timer.times,
+            "mean_completion_length": statistics.mean(lengths),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "threads": torch.get_num_threads(),
+        },
+        open(out, "w"),
+    )
 
 
 def main():
@@ -102,13 +132,28 @@ def main():
     workdir = tempfile.mkdtemp()
     model_path = os.path.join(workdir, "model")
     build_model(model_path)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     results = {"trl": [], "ours": []}
     for _ in range(args.repeats):
         for impl in ("trl", "ours"):
             out = os.path.join(workdir, f"{impl}.json")
-            cmd = [sys.executable, __file__, "--threads", str(args.threads), "--steps", str(args.steps),
-                   "--child", impl, model_path, out]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--threads",
+                str(args.threads),
+                "--steps",
+                str(args.steps),
+                "--child",
+                impl,
+                model_path,
+                out,
+            ]
             subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             results[impl].append(json.load(open(out)))
 
@@ -118,9 +163,14 @@ def main():
         tokens = 8 * statistics.median(r["mean_completion_length"] for r in runs)
         rss = statistics.median(r["peak_rss_mb"] for r in runs)
         summary[impl] = (step, tokens / step, rss)
-        print(f"{impl:>5}: {step:.3f} s/step (median, first step excluded), {tokens / step:.0f} generated tokens/s, "
-              f"peak RSS {rss:.0f} MB  [{args.threads} threads, {args.steps} steps, {args.repeats} run(s)]")
-    print(f"ratio step_time={summary['ours'][0] / summary['trl'][0]:.2f} peak_rss={summary['ours'][2] / summary['trl'][2]:.2f}")
+        print(
+            f"{impl:>5}: {step:.3f} s/step (median, first step excluded), {tokens / step:.0f} generated tokens/s, "
+            f"peak RSS {rss:.0f} MB  [{args.threads} threads, {args.steps} steps, {args.repeats} run(s)]"
+        )
+    print(
+        f"ratio step_time={summary['ours'][0] / summary['trl'][0]:.2f} "
+        f"peak_rss={summary['ours'][2] / summary['trl'][2]:.2f}"
+    )
 
 
 if __name__ == "__main__":

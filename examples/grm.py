@@ -26,21 +26,35 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_qu
 
 from trl_unified import GRMConfig, GRMTrainer
 
+
 DEMO_DEFAULTS = dict(
-    output_dir="outputs/grm-demo", per_device_train_batch_size=16, learning_rate=3e-3, max_steps=150,
-    logging_steps=25, lr_scheduler_type="constant", save_strategy="no", report_to="none", gradient_checkpointing=False,
-    max_completion_length=6, per_device_eval_batch_size=20, seed=0,
+    output_dir="outputs/grm-demo",
+    per_device_train_batch_size=16,
+    learning_rate=3e-3,
+    max_steps=150,
+    logging_steps=25,
+    lr_scheduler_type="constant",
+    save_strategy="no",
+    report_to="none",
+    gradient_checkpointing=False,
+    max_completion_length=6,
+    per_device_eval_batch_size=20,
+    seed=0,
 )
 
 
 @dataclass
 class GRMScriptArguments(ScriptArguments):
-    dataset_name: str | None = field(default=None, metadata={"help": "Dataset id or path. None runs the offline demo."})
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Dataset id or path. None runs the offline demo."}
+    )
 
 
 def judging_row(a: int, b: int) -> dict:
-    return {"prompt": [{"role": "user", "content": f"which is larger : {a} or {b} ?"}],
-            "completion": [{"role": "assistant", "content": f"<answer> {max(a, b)} </answer>"}]}
+    return {
+        "prompt": [{"role": "user", "content": f"which is larger : {a} or {b} ?"}],
+        "completion": [{"role": "assistant", "content": f"<answer> {max(a, b)} </answer>"}],
+    }
 
 
 def demo_model_and_data():
@@ -65,17 +79,24 @@ def main():
         model, processing_class, train_dataset, eval_dataset = demo_model_and_data()
     else:
         model = model_args.model_name_or_path
-        training_args.model_init_kwargs = {"revision": model_args.model_revision, "dtype": model_args.dtype,
-                                           "attn_implementation": model_args.attn_implementation,
-                                           **(training_args.model_init_kwargs or {})}
-        processing_class = AutoProcessor.from_pretrained(model, padding_side="left",
-                                                         trust_remote_code=training_args.trust_remote_code)
+        training_args.model_init_kwargs = {
+            "revision": model_args.model_revision,
+            "dtype": model_args.dtype,
+            "attn_implementation": model_args.attn_implementation,
+            **(training_args.model_init_kwargs or {}),
+        }
+        processing_class = AutoProcessor.from_pretrained(
+            model, padding_side="left", trust_remote_code=training_args.trust_remote_code
+        )
         dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
         train_dataset = dataset[script_args.dataset_train_split]
         eval_dataset = dataset.get(script_args.dataset_test_split)
 
     trainer = GRMTrainer(
-        model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+        model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
         processing_class=processing_class,
         quantization_config=None if demo else get_quantization_config(model_args),
         peft_config=None if demo else get_peft_config(model_args),
@@ -86,9 +107,14 @@ def main():
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
         if "eval_accuracy" in after:
-            print(f"eval accuracy before training: {before['eval_accuracy']:.3f}   after: {after['eval_accuracy']:.3f}")
+            print(
+                f"eval accuracy before training: {before['eval_accuracy']:.3f}   after: {after['eval_accuracy']:.3f}"
+            )
             print(f"judgments and answers: {trainer.last_eval_records_path}")
-        print(f"model, processing class, eval records and model card saved to {os.path.abspath(training_args.output_dir)}")
+        print(
+            "model, processing class, eval records and model card saved to "
+            f"{os.path.abspath(training_args.output_dir)}"
+        )
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
 

@@ -26,20 +26,34 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_qu
 
 from trl_unified import RLOOConfig, RLOOTrainer
 
+
 DEMO_DEFAULTS = dict(
-    output_dir="outputs/rloo-demo", per_device_train_batch_size=16, num_generations=4, max_completion_length=12,
-    learning_rate=1e-2, beta=0.0, max_steps=120, logging_steps=5, save_strategy="no", report_to="none",
-    gradient_checkpointing=False, seed=0,
+    output_dir="outputs/rloo-demo",
+    per_device_train_batch_size=16,
+    num_generations=4,
+    max_completion_length=12,
+    learning_rate=1e-2,
+    beta=0.0,
+    max_steps=120,
+    logging_steps=5,
+    save_strategy="no",
+    report_to="none",
+    gradient_checkpointing=False,
+    seed=0,
 )
 
 
 @dataclass
 class RLOOScriptArguments(ScriptArguments):
-    dataset_name: str | None = field(default=None, metadata={"help": "Dataset id or path. None runs the offline demo."})
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Dataset id or path. None runs the offline demo."}
+    )
     reward_model_name_or_path: str | None = field(
         default=None, metadata={"help": "Sequence-classification reward model (id or path)."}
     )
-    target_word: str = field(default="a", metadata={"help": "Demo reward: fraction of completion words equal to this."})
+    target_word: str = field(
+        default="a", metadata={"help": "Demo reward: fraction of completion words equal to this."}
+    )
 
 
 def target_fraction(word: str):
@@ -78,21 +92,32 @@ def main():
     else:
         model = model_args.model_name_or_path
         training_args.model_init_kwargs = {
-            "revision": model_args.model_revision, "attn_implementation": model_args.attn_implementation,
-            "dtype": model_args.dtype, **(training_args.model_init_kwargs or {}),
+            "revision": model_args.model_revision,
+            "attn_implementation": model_args.attn_implementation,
+            "dtype": model_args.dtype,
+            **(training_args.model_init_kwargs or {}),
         }
         quantization = get_quantization_config(model_args)
         if quantization is not None:
             training_args.model_init_kwargs["device_map"] = "auto"
-        tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left", trust_remote_code=training_args.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            model, padding_side="left", trust_remote_code=training_args.trust_remote_code
+        )
         dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
         train_dataset = dataset[script_args.dataset_train_split]
         eval_dataset = dataset.get(script_args.dataset_test_split) if training_args.eval_strategy != "no" else None
-        reward_funcs = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else [
-            target_fraction(script_args.target_word)]
+        reward_funcs = (
+            [script_args.reward_model_name_or_path]
+            if script_args.reward_model_name_or_path
+            else [target_fraction(script_args.target_word)]
+        )
 
     trainer = RLOOTrainer(
-        model, reward_funcs=reward_funcs, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+        model,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
         processing_class=tokenizer,
         quantization_config=None if demo else get_quantization_config(model_args),
         peft_config=None if demo else get_peft_config(model_args),
@@ -102,8 +127,10 @@ def main():
 
     rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
     if trainer.accelerator.is_main_process and rewards:
-        print(f"reward at start: {rewards[0]:.3f}   reward at end: {rewards[-1]:.3f}   (first and last logged means, "
-              f"over {len(rewards)} logs)")
+        print(
+            f"reward at start: {rewards[0]:.3f}   reward at end: {rewards[-1]:.3f}   (first and last logged means, "
+            f"over {len(rewards)} logs)"
+        )
         save_reward_curve(trainer.state.log_history, os.path.join(training_args.output_dir, "reward_curve.png"))
         print(f"model, tokenizer, model card and reward curve saved to {training_args.output_dir}")
     if training_args.push_to_hub:

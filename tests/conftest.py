@@ -2,6 +2,7 @@
 
 import os
 
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 shared cores: 1 thread is fastest and stable (MACHINE_NOTES)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -17,6 +18,7 @@ from trl_unified.testing import (  # noqa: E402
     build_tokenizer,
     save_tiny_model,
 )
+
 
 torch.set_num_threads(1)
 

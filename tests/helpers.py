@@ -4,6 +4,7 @@ from datasets import Dataset
 
 from trl_unified import RLOOConfig
 
+
 PROMPTS = ["a b c", "d e", "f g h i", "j k", "l", "m n o", "p q", "r s t u"]
 
 
@@ -20,9 +21,18 @@ def count_a(completions, **kwargs):
 
 def rloo_args(tmp_path, **overrides) -> RLOOConfig:
     kwargs = dict(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, max_completion_length=6,
-        max_steps=2, learning_rate=1e-2, logging_steps=1, bf16=False, report_to=[], save_strategy="no",
-        gradient_checkpointing=False, seed=0,
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        max_steps=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        gradient_checkpointing=False,
+        seed=0,
     )
     kwargs.update(overrides)
     return RLOOConfig(**kwargs)

@@ -48,13 +48,22 @@ class HubStandIn:
                     return self._send(200, {"errors": [], "warnings": []})
                 if len(parts) >= 6 and parts[0] == "api" and parts[4] == "preupload":
                     files = json.loads(body)["files"]
-                    return self._send(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]})
+                    return self._send(
+                        200,
+                        {
+                            "files": [
+                                {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files
+                            ]
+                        },
+                    )
                 if len(parts) >= 6 and parts[0] == "api" and parts[4] == "commit":
                     repo_id = f"{parts[2]}/{parts[3]}"
                     for line in body.decode().splitlines():
                         item = json.loads(line)
                         if item["key"] == "file":
-                            hub.files.setdefault(repo_id, {})[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                            hub.files.setdefault(repo_id, {})[item["value"]["path"]] = base64.b64decode(
+                                item["value"]["content"]
+                            )
                     oid = hashlib.sha1(body).hexdigest()
                     return self._send(200, {"commitUrl": f"{hub.url}/{repo_id}/commit/{oid}", "commitOid": oid})
                 return self._send(404, {"error": f"not handled: {self.path}"})
@@ -63,7 +72,9 @@ class HubStandIn:
                 hub.requests.append(f"GET {self.path}")
                 parts = self.path.split("?")[0].strip("/").split("/")
                 if self.path.startswith("/api/whoami"):
-                    return self._send(200, {"name": "tester", "type": "user", "orgs": [], "auth": {"accessToken": {"role": "write"}}})
+                    return self._send(
+                        200, {"name": "tester", "type": "user", "orgs": [], "auth": {"accessToken": {"role": "write"}}}
+                    )
                 if parts[:2] == ["api", "models"] and len(parts) >= 4:
                     repo_id = f"{parts[2]}/{parts[3]}"
                     if repo_id not in hub.files:

@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+
 torch.set_num_threads(1)
 
 from datasets import Dataset  # noqa: E402
@@ -15,6 +16,7 @@ from transformers import TrainerCallback  # noqa: E402
 
 from trl_unified import GRMConfig, GRMTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 from trl_unified.testing import build_causal_lm, build_tokenizer  # noqa: E402
+
 
 kind, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 
@@ -31,20 +33,52 @@ def varied(completions, **kwargs):
 
 tokenizer = build_tokenizer()
 model = build_causal_lm(tokenizer, "llama")
-common = dict(output_dir=f"{out}/{kind}", max_steps=6, save_strategy="steps", save_steps=3, logging_steps=1,
-              learning_rate=1e-2, bf16=False, report_to=[], gradient_checkpointing=False, seed=3, disable_tqdm=True)
+common = dict(
+    output_dir=f"{out}/{kind}",
+    max_steps=6,
+    save_strategy="steps",
+    save_steps=3,
+    logging_steps=1,
+    learning_rate=1e-2,
+    bf16=False,
+    report_to=[],
+    gradient_checkpointing=False,
+    seed=3,
+    disable_tqdm=True,
+)
 callbacks = [KillAfterCheckpoint()] if mode == "kill" else []
 if kind == "grm":
-    data = Dataset.from_dict({"prompt": [f"which is larger : {a} or {b} ?" for a in range(4) for b in range(4)],
-                              "completion": [f"<answer> {max(a, b)} </answer>" for a in range(4) for b in range(4)]})
-    trainer = GRMTrainer(model, args=GRMConfig(per_device_train_batch_size=4, **common), train_dataset=data,
-                         processing_class=tokenizer, callbacks=callbacks)
+    data = Dataset.from_dict(
+        {
+            "prompt": [f"which is larger : {a} or {b} ?" for a in range(4) for b in range(4)],
+            "completion": [f"<answer> {max(a, b)} </answer>" for a in range(4) for b in range(4)],
+        }
+    )
+    trainer = GRMTrainer(
+        model,
+        args=GRMConfig(per_device_train_batch_size=4, **common),
+        train_dataset=data,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
 else:
     prompts = ["a b c", "d e", "f g h i", "j k", "l", "m n o", "p q", "r s t u"]
-    args = RLOOConfig(per_device_train_batch_size=4, num_generations=2, max_completion_length=6, beta=0.1,
-                      num_iterations=2 if kind == "rloo_mu2" else 1, **common)
-    trainer = RLOOTrainer(model, varied, args=args, train_dataset=Dataset.from_dict({"prompt": prompts * 2}),
-                          processing_class=tokenizer, callbacks=callbacks)
+    args = RLOOConfig(
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        beta=0.1,
+        num_iterations=2 if kind == "rloo_mu2" else 1,
+        **common,
+    )
+    trainer = RLOOTrainer(
+        model,
+        varied,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts * 2}),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
 trainer.train(resume_from_checkpoint=(mode == "resume"))
 torch.save({n: p.detach() for n, p in trainer.model.named_parameters()}, f"{out}/{kind}-{mode}.pt")
 json.dump(trainer.state.log_history, open(f"{out}/{kind}-{mode}.json", "w"))

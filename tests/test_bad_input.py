@@ -17,19 +17,29 @@ from tests.helpers import prompt_dataset, rloo_args, varied_reward
 from trl_unified import GRMConfig, GRMTrainer, RLOOConfig, RLOOTrainer
 from trl_unified.testing import build_causal_lm, build_image, build_sequence_classifier, build_tokenizer
 
+
 LORA = dict(r=4, target_modules=["q_proj", "v_proj"])
 
 
 def rloo(ctx, dataset=None, funcs=varied_reward, **kwargs):
     args = kwargs.pop("args", None) or rloo_args(ctx["tmp"], **kwargs.pop("config", {}))
-    return RLOOTrainer(kwargs.pop("model", ctx["llama"]), funcs, args=args,
-                       train_dataset=prompt_dataset() if dataset is None else dataset, **kwargs)
+    return RLOOTrainer(
+        kwargs.pop("model", ctx["llama"]),
+        funcs,
+        args=args,
+        train_dataset=prompt_dataset() if dataset is None else dataset,
+        **kwargs,
+    )
 
 
 def grm(ctx, data, **config):
     args = GRMConfig(output_dir=str(ctx["tmp"]), bf16=False, report_to=[], **config)
-    return GRMTrainer(ctx["llama"], args=args, train_dataset=Dataset.from_dict(data) if isinstance(data, dict) else data,
-                      processing_class=ctx["tok"])
+    return GRMTrainer(
+        ctx["llama"],
+        args=args,
+        train_dataset=Dataset.from_dict(data) if isinstance(data, dict) else data,
+        processing_class=ctx["tok"],
+    )
 
 
 def rloo_config(ctx, **kwargs):
@@ -43,50 +53,220 @@ def big_vocab_reward_model(ctx):
 
 CASES = [
     # --- datasets
-    ("rloo_no_prompt", lambda c: rloo(c, Dataset.from_dict({"text": ["a"] * 8})), ValueError, r"needs a 'prompt' column.*rename_column"),
+    (
+        "rloo_no_prompt",
+        lambda c: rloo(c, Dataset.from_dict({"text": ["a"] * 8})),
+        ValueError,
+        r"needs a 'prompt' column.*rename_column",
+    ),
     ("rloo_empty", lambda c: rloo(c, Dataset.from_dict({"prompt": []})), ValueError, r"empty"),
-    ("rloo_no_train", lambda c: RLOOTrainer(c["llama"], varied_reward, args=rloo_args(c["tmp"]), train_dataset=None), ValueError, r"train_dataset is required"),
-    ("rloo_eval_no_prompt", lambda c: rloo(c, eval_dataset=Dataset.from_dict({"question": ["a"]})), ValueError, r"eval dataset .*'prompt'"),
+    (
+        "rloo_no_train",
+        lambda c: RLOOTrainer(c["llama"], varied_reward, args=rloo_args(c["tmp"]), train_dataset=None),
+        ValueError,
+        r"train_dataset is required",
+    ),
+    (
+        "rloo_eval_no_prompt",
+        lambda c: rloo(c, eval_dataset=Dataset.from_dict({"question": ["a"]})),
+        ValueError,
+        r"eval dataset .*'prompt'",
+    ),
     ("grm_no_judgment", lambda c: grm(c, {"prompt": ["a"]}), ValueError, r"needs the judgment.*'completion'"),
     ("grm_empty", lambda c: grm(c, {"prompt": [], "completion": []}), ValueError, r"empty"),
-    ("grm_all_labels_masked", lambda c: grm(c, {"prompt": ["a b c d e f g h"], "completion": ["x"]}, max_length=5), ValueError, r"Row 0 has no judgment tokens.*max_length=5"),
-    ("grm_messages_not_assistant", lambda c: grm(c, {"messages": [[{"role": "user", "content": "a"}]]}), ValueError, r"must be the assistant's"),
-    ("images_text_only_tokenizer", lambda c: rloo(c, Dataset.from_list([{"prompt": [{"role": "user", "content": "a"}], "image": build_image(0)}] * 4)), ValueError, r"image column .* not an image processor"),
+    (
+        "grm_all_labels_masked",
+        lambda c: grm(c, {"prompt": ["a b c d e f g h"], "completion": ["x"]}, max_length=5),
+        ValueError,
+        r"Row 0 has no judgment tokens.*max_length=5",
+    ),
+    (
+        "grm_messages_not_assistant",
+        lambda c: grm(c, {"messages": [[{"role": "user", "content": "a"}]]}),
+        ValueError,
+        r"must be the assistant's",
+    ),
+    (
+        "images_text_only_tokenizer",
+        lambda c: rloo(
+            c, Dataset.from_list([{"prompt": [{"role": "user", "content": "a"}], "image": build_image(0)}] * 4)
+        ),
+        ValueError,
+        r"image column .* not an image processor",
+    ),
     # --- config fields
-    ("num_generations_lt_2", lambda c: rloo_config(c, num_generations=1), ValueError, r"num_generations=1, .* Set num_generations >= 2"),
-    ("batch_not_divisible_by_G", lambda c: rloo_config(c, per_device_train_batch_size=3, num_generations=2), ValueError, r"generation_batch_size=3 .* divisible by num_generations=2"),
-    ("generation_batch_vs_global", lambda c: rloo_config(c, per_device_train_batch_size=4, generation_batch_size=6), ValueError, r"generation_batch_size=6 must be divisible by the global batch size"),
-    ("generation_batch_and_steps", lambda c: rloo_config(c, generation_batch_size=8, steps_per_generation=2), ValueError, r"generation_batch_size or steps_per_generation, not both"),
+    (
+        "num_generations_lt_2",
+        lambda c: rloo_config(c, num_generations=1),
+        ValueError,
+        r"num_generations=1, .* Set num_generations >= 2",
+    ),
+    (
+        "batch_not_divisible_by_G",
+        lambda c: rloo_config(c, per_device_train_batch_size=3, num_generations=2),
+        ValueError,
+        r"generation_batch_size=3 .* divisible by num_generations=2",
+    ),
+    (
+        "generation_batch_vs_global",
+        lambda c: rloo_config(c, per_device_train_batch_size=4, generation_batch_size=6),
+        ValueError,
+        r"generation_batch_size=6 must be divisible by the global batch size",
+    ),
+    (
+        "generation_batch_and_steps",
+        lambda c: rloo_config(c, generation_batch_size=8, steps_per_generation=2),
+        ValueError,
+        r"generation_batch_size or steps_per_generation, not both",
+    ),
     ("negative_beta", lambda c: rloo_config(c, beta=-0.1), ValueError, r"beta=-0.1 must be >= 0"),
     ("zero_temperature", lambda c: rloo_config(c, temperature=0.0), ValueError, r"temperature=0.0.*> 0"),
     ("top_p_out_of_range", lambda c: rloo_config(c, top_p=1.5), ValueError, r"top_p=1.5 must be in \(0, 1\]"),
-    ("bad_answer_extractor", lambda c: rloo_config(c, answer_extractor="xml"), ValueError, r"answer_extractor='xml' is not one of"),
-    ("bad_reward_clip_range", lambda c: rloo_config(c, reward_clip_range=(1.0, 0.0)), ValueError, r"reward_clip_range=\(1.0, 0.0\) must be \(min, max\)"),
+    (
+        "bad_answer_extractor",
+        lambda c: rloo_config(c, answer_extractor="xml"),
+        ValueError,
+        r"answer_extractor='xml' is not one of",
+    ),
+    (
+        "bad_reward_clip_range",
+        lambda c: rloo_config(c, reward_clip_range=(1.0, 0.0)),
+        ValueError,
+        r"reward_clip_range=\(1.0, 0.0\) must be \(min, max\)",
+    ),
     ("zero_iterations", lambda c: rloo_config(c, num_iterations=0), ValueError, r"num_iterations=0 must be >= 1"),
-    ("auto_find_batch_size", lambda c: rloo_config(c, auto_find_batch_size=True), ValueError, r"auto_find_batch_size=True"),
-    ("sync_ref_without_beta", lambda c: rloo_config(c, sync_ref_model=True, beta=0.0), ValueError, r"sync_ref_model=True but beta=0.0"),
-    ("use_vllm", lambda c: rloo_config(c, use_vllm=True), NotImplementedError, r"use_vllm=True is accepted for compatibility .* Leave it at its default \(False\)"),
-    ("vllm_server_port", lambda c: rloo_config(c, vllm_server_port=9000), NotImplementedError, r"vllm_server_port=9000"),
-    ("continuous_batching", lambda c: rloo_config(c, use_transformers_continuous_batching=True), NotImplementedError, r"use_transformers_continuous_batching"),
-    ("grm_packing", lambda c: GRMConfig(output_dir=str(c["tmp"]), bf16=False, packing=True), NotImplementedError, r"packing=True"),
-    ("grm_truncation_mode", lambda c: GRMConfig(output_dir=str(c["tmp"]), bf16=False, truncation_mode="middle"), ValueError, r"truncation_mode='middle' is not one of"),
-    ("grm_compute_loss_func", lambda c: GRMTrainer(c["llama"], args=GRMConfig(output_dir=str(c["tmp"]), bf16=False), compute_loss_func=len), NotImplementedError, r"compute_loss_func"),
+    (
+        "auto_find_batch_size",
+        lambda c: rloo_config(c, auto_find_batch_size=True),
+        ValueError,
+        r"auto_find_batch_size=True",
+    ),
+    (
+        "sync_ref_without_beta",
+        lambda c: rloo_config(c, sync_ref_model=True, beta=0.0),
+        ValueError,
+        r"sync_ref_model=True but beta=0.0",
+    ),
+    (
+        "use_vllm",
+        lambda c: rloo_config(c, use_vllm=True),
+        NotImplementedError,
+        r"use_vllm=True is accepted for compatibility .* Leave it at its default \(False\)",
+    ),
+    (
+        "vllm_server_port",
+        lambda c: rloo_config(c, vllm_server_port=9000),
+        NotImplementedError,
+        r"vllm_server_port=9000",
+    ),
+    (
+        "continuous_batching",
+        lambda c: rloo_config(c, use_transformers_continuous_batching=True),
+        NotImplementedError,
+        r"use_transformers_continuous_batching",
+    ),
+    (
+        "grm_packing",
+        lambda c: GRMConfig(output_dir=str(c["tmp"]), bf16=False, packing=True),
+        NotImplementedError,
+        r"packing=True",
+    ),
+    (
+        "grm_truncation_mode",
+        lambda c: GRMConfig(output_dir=str(c["tmp"]), bf16=False, truncation_mode="middle"),
+        ValueError,
+        r"truncation_mode='middle' is not one of",
+    ),
+    (
+        "grm_compute_loss_func",
+        lambda c: GRMTrainer(c["llama"], args=GRMConfig(output_dir=str(c["tmp"]), bf16=False), compute_loss_func=len),
+        NotImplementedError,
+        r"compute_loss_func",
+    ),
     # --- rewards
     ("no_reward_funcs", lambda c: rloo(c, funcs=[]), ValueError, r"reward_funcs is empty"),
     ("reward_not_callable", lambda c: rloo(c, funcs=[3]), TypeError, r"reward_funcs\[0\] is a int"),
-    ("reward_weights_length", lambda c: rloo(c, funcs=[varied_reward, varied_reward], config={"reward_weights": [1.0]}), ValueError, r"reward_weights has 1 values but there are 2 reward functions"),
-    ("reward_processing_classes_length", lambda c: rloo(c, funcs=[varied_reward], reward_processing_classes=[c["tok"], c["tok"]]), ValueError, r"reward_processing_classes has 2 entries but there are 1"),
-    ("reward_model_other_tokenizer", lambda c: rloo(c, funcs=[big_vocab_reward_model(c)], reward_processing_classes=[c["tok"]]), ValueError, r"tokenizer for reward model .* do not belong together"),
-    ("router_aux_on_dense_model", lambda c: rloo(c, config={"router_aux_loss_coef": 0.1}), ValueError, r"router_aux_loss_coef=0.1 but the policy is not a Mixture-of-Experts"),
+    (
+        "reward_weights_length",
+        lambda c: rloo(c, funcs=[varied_reward, varied_reward], config={"reward_weights": [1.0]}),
+        ValueError,
+        r"reward_weights has 1 values but there are 2 reward functions",
+    ),
+    (
+        "reward_processing_classes_length",
+        lambda c: rloo(c, funcs=[varied_reward], reward_processing_classes=[c["tok"], c["tok"]]),
+        ValueError,
+        r"reward_processing_classes has 2 entries but there are 1",
+    ),
+    (
+        "reward_model_other_tokenizer",
+        lambda c: rloo(c, funcs=[big_vocab_reward_model(c)], reward_processing_classes=[c["tok"]]),
+        ValueError,
+        r"tokenizer for reward model .* do not belong together",
+    ),
+    (
+        "router_aux_on_dense_model",
+        lambda c: rloo(c, config={"router_aux_loss_coef": 0.1}),
+        ValueError,
+        r"router_aux_loss_coef=0.1 but the policy is not a Mixture-of-Experts",
+    ),
     # --- models
-    ("unknown_model_offline", lambda c: rloo(c, model="no-such-org/no-such-model"), ValueError, r"(?s)no-such-org/no-such-model.*Hub could not resolve it"),
-    ("incomplete_model_dir", lambda c: rloo(c, model=str(c["tmp"])), ValueError, r"does not hold a complete saved model"),
-    ("ref_model_with_beta0", lambda c: rloo(c, config={"beta": 0.0}, ref_model=c["llama"]), ValueError, r"ref_model was given but .* beta=0.0"),
-    ("ref_model_with_peft", lambda c: rloo(c, config={"beta": 0.1}, ref_model=c["llama"], peft_config=LoraConfig(**LORA)), ValueError, r"ref_model was given together with a PEFT policy"),
-    ("peft_model_and_config", lambda c: rloo(c, model=get_peft_model(build_causal_lm(c["tok"], "llama"), LoraConfig(**LORA)), peft_config=LoraConfig(**LORA), processing_class=c["tok"]), ValueError, r"already a PeftModel"),
+    (
+        "unknown_model_offline",
+        lambda c: rloo(c, model="no-such-org/no-such-model"),
+        ValueError,
+        r"(?s)no-such-org/no-such-model.*Hub could not resolve it",
+    ),
+    (
+        "incomplete_model_dir",
+        lambda c: rloo(c, model=str(c["tmp"])),
+        ValueError,
+        r"does not hold a complete saved model",
+    ),
+    (
+        "ref_model_with_beta0",
+        lambda c: rloo(c, config={"beta": 0.0}, ref_model=c["llama"]),
+        ValueError,
+        r"ref_model was given but .* beta=0.0",
+    ),
+    (
+        "ref_model_with_peft",
+        lambda c: rloo(c, config={"beta": 0.1}, ref_model=c["llama"], peft_config=LoraConfig(**LORA)),
+        ValueError,
+        r"ref_model was given together with a PEFT policy",
+    ),
+    (
+        "peft_model_and_config",
+        lambda c: rloo(
+            c,
+            model=get_peft_model(build_causal_lm(c["tok"], "llama"), LoraConfig(**LORA)),
+            peft_config=LoraConfig(**LORA),
+            processing_class=c["tok"],
+        ),
+        ValueError,
+        r"already a PeftModel",
+    ),
     ("peft_config_type", lambda c: rloo(c, peft_config={"r": 4}), TypeError, r"peft_config must be a peft.PeftConfig"),
-    ("quantized_without_peft", lambda c: rloo(c, config={"model_init_kwargs": {"device_map": "cpu"}}, quantization_config=BitsAndBytesConfig(load_in_4bit=True)), ValueError, r"quantised .* no peft_config .*QLoRA"),
-    ("quantization_twice", lambda c: rloo(c, config={"model_init_kwargs": {"quantization_config": BitsAndBytesConfig(load_in_4bit=True)}}, quantization_config=BitsAndBytesConfig(load_in_4bit=True)), ValueError, r"quantization_config is set both"),
+    (
+        "quantized_without_peft",
+        lambda c: rloo(
+            c,
+            config={"model_init_kwargs": {"device_map": "cpu"}},
+            quantization_config=BitsAndBytesConfig(load_in_4bit=True),
+        ),
+        ValueError,
+        r"quantised .* no peft_config .*QLoRA",
+    ),
+    (
+        "quantization_twice",
+        lambda c: rloo(
+            c,
+            config={"model_init_kwargs": {"quantization_config": BitsAndBytesConfig(load_in_4bit=True)}},
+            quantization_config=BitsAndBytesConfig(load_in_4bit=True),
+        ),
+        ValueError,
+        r"quantization_config is set both",
+    ),
 ]
 
 
@@ -106,11 +286,14 @@ def test_bad_input_is_rejected_before_training(name, build, error, pattern, ctx)
 
 
 # ------------------------------------------------------------------ failures that only show when a reward runs
-@pytest.mark.parametrize("reward, pattern", [
-    (lambda completions, **kw: [1.0], r"returned 1 rewards for 4 completions"),
-    (lambda completions, **kw: 1 / 0, r"raised ZeroDivisionError"),
-    (lambda completions, **kw: [None] * len(completions), r"Every reward function returned None/NaN"),
-])
+@pytest.mark.parametrize(
+    "reward, pattern",
+    [
+        (lambda completions, **kw: [1.0], r"returned 1 rewards for 4 completions"),
+        (lambda completions, **kw: 1 / 0, r"raised ZeroDivisionError"),
+        (lambda completions, **kw: [None] * len(completions), r"Every reward function returned None/NaN"),
+    ],
+)
 def test_reward_failing_mid_run_names_step_and_row_and_keeps_the_checkpoint(reward, pattern, llama_path, tmp_path):
     calls = {"n": 0}
 
@@ -118,8 +301,12 @@ def test_reward_failing_mid_run_names_step_and_row_and_keeps_the_checkpoint(rewa
         calls["n"] += 1
         return varied_reward(completions) if calls["n"] <= 2 else reward(completions, **kwargs)
 
-    trainer = RLOOTrainer(llama_path, flaky, args=rloo_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=1),
-                          train_dataset=prompt_dataset())
+    trainer = RLOOTrainer(
+        llama_path,
+        flaky,
+        args=rloo_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=1),
+        train_dataset=prompt_dataset(),
+    )
     with pytest.raises((ValueError, RuntimeError, TypeError), match=pattern) as info:
         trainer.train()
     assert "global step 2" in str(info.value) and "prompt" in str(info.value)

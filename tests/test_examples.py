@@ -5,13 +5,20 @@ import os
 import subprocess
 import sys
 
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_example(name, args, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_DISABLED": "true"}
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), *args], capture_output=True,
-                            text=True, env=env, timeout=300, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", name), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
@@ -37,15 +44,39 @@ def test_rloo_example_real_run_from_yaml_with_lora(llama_path, tmp_path):
 def test_grm_example_real_run_from_command_line(llama_path, tmp_path):
     data_dir = tmp_path / "judgments"
     data_dir.mkdir()
-    rows = [{"prompt": [{"role": "user", "content": f"which is larger : {a} or {b} ?"}],
-             "completion": [{"role": "assistant", "content": f"<answer> {max(a, b)} </answer>"}]}
-            for a, b in [(1, 2), (5, 3), (7, 9), (4, 0)]]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"which is larger : {a} or {b} ?"}],
+            "completion": [{"role": "assistant", "content": f"<answer> {max(a, b)} </answer>"}],
+        }
+        for a, b in [(1, 2), (5, 3), (7, 9), (4, 0)]
+    ]
     for split in ("train", "test"):
         with open(data_dir / f"{split}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    result = run_example("grm.py", ["--model_name_or_path", llama_path, "--dataset_name", str(data_dir),
-                                    "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--report_to", "none",
-                                    "--save_strategy", "no", "--per_device_train_batch_size", "2",
-                                    "--gradient_checkpointing", "false", "--max_completion_length", "6"], tmp_path)
+    result = run_example(
+        "grm.py",
+        [
+            "--model_name_or_path",
+            llama_path,
+            "--dataset_name",
+            str(data_dir),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_steps",
+            "2",
+            "--report_to",
+            "none",
+            "--save_strategy",
+            "no",
+            "--per_device_train_batch_size",
+            "2",
+            "--gradient_checkpointing",
+            "false",
+            "--max_completion_length",
+            "6",
+        ],
+        tmp_path,
+    )
     assert "eval accuracy before training" in result.stdout
     assert (tmp_path / "out" / "model.safetensors").exists() and (tmp_path / "out" / "eval_records").is_dir()

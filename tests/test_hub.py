@@ -8,6 +8,7 @@ import pytest
 
 from tests.hub_server import HubStandIn
 
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "hf_thisIsASecretTestToken123"
 
@@ -15,14 +16,30 @@ TOKEN = "hf_thisIsASecretTestToken123"
 @pytest.mark.parametrize("kind", ["rloo", "rloo_peft", "grm"])
 def test_push_to_hub_uploads_model_tokenizer_and_card(kind, tmp_path):
     with HubStandIn() as hub:
-        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
-               "OMP_NUM_THREADS": "1", "WANDB_DISABLED": "true"}
-        result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "push_to_hub_job.py"), kind, str(tmp_path), TOKEN],
-                                capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+        env = {
+            **os.environ,
+            "HF_ENDPOINT": hub.url,
+            "HF_HUB_OFFLINE": "0",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "OMP_NUM_THREADS": "1",
+            "WANDB_DISABLED": "true",
+        }
+        result = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "tests", "push_to_hub_job.py"), kind, str(tmp_path), TOKEN],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+            cwd=ROOT,
+        )
         assert result.returncode == 0 and "pushed" in result.stdout, result.stderr[-4000:] + "\n".join(hub.requests)
         files = hub.files[f"tester/tiny-{kind}"]
     if kind == "rloo_peft":
-        assert "adapter_model.safetensors" in files and "adapter_config.json" in files and "model.safetensors" not in files
+        assert (
+            "adapter_model.safetensors" in files
+            and "adapter_config.json" in files
+            and "model.safetensors" not in files
+        )
     else:
         assert "model.safetensors" in files and "config.json" in files
     assert not any(name.endswith((".bin", ".pt")) and "training_args" not in name for name in files)

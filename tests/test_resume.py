@@ -12,13 +12,20 @@ import sys
 import pytest
 import torch
 
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(kind, out, mode):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tests", "resume_job.py"), kind, str(out), mode],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tests", "resume_job.py"), kind, str(out), mode],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
+    )
 
 
 @pytest.mark.parametrize("kind", ["rloo", "rloo_mu2", "grm"])
@@ -36,9 +43,15 @@ def test_resume_after_sigkill_matches_uninterrupted_run(kind, tmp_path):
     got = torch.load(tmp_path / "interrupted" / f"{kind}-resume.pt")
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
-    logs_full = [l for l in json.load(open(tmp_path / "full" / f"{kind}-full.json")) if "loss" in l and l["step"] > 3]
-    logs_resumed = [l for l in json.load(open(tmp_path / "interrupted" / f"{kind}-resume.json")) if "loss" in l and l["step"] > 3]
-    assert [l["step"] for l in logs_resumed] == [4, 5, 6]
+    logs_full = [
+        log for log in json.load(open(tmp_path / "full" / f"{kind}-full.json")) if "loss" in log and log["step"] > 3
+    ]
+    logs_resumed = [
+        log
+        for log in json.load(open(tmp_path / "interrupted" / f"{kind}-resume.json"))
+        if "loss" in log and log["step"] > 3
+    ]
+    assert [log["step"] for log in logs_resumed] == [4, 5, 6]
     for a, b in zip(logs_resumed, logs_full):
         for key in b:
             if key not in ("epoch",):

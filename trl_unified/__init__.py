@@ -5,8 +5,8 @@ __version__ = "0.1.0"
 from .base.answers import answers_match, extract_answer
 from .base.config import PolicyConfig
 from .base.data import RepeatSampler
-from .base.judge import GRMReward
 from .base.generation import GenerationOutput, build_generation_config, generate_batched, unwrap_for_generation
+from .base.judge import GRMReward
 from .base.logprobs import compute_token_logprobs, entropy_from_logits, selective_log_softmax
 from .base.papers import PAPERS
 from .base.reference import ReferenceModel
@@ -14,6 +14,7 @@ from .base.rewards import RewardFunctions
 from .base.trainer import PolicyTrainerBase
 from .trainers.grm import GRMConfig, GRMTrainer
 from .trainers.rloo import RLOOConfig, RLOOTrainer, rloo_advantages
+
 
 __all__ = [
     "AnswerAccuracy",

@@ -9,10 +9,12 @@ import os
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + ' ' }}"
-    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + ' <|im_end|>' }}{% endgeneration %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + ' <|im_end|>' }}{% endgeneration %}"
     "{% else %}{{ message['content'] + ' <|im_end|>' }}{% endif %}"
     "{{ ' ' }}"
     "{% endfor %}"
@@ -37,7 +39,9 @@ def build_tokenizer(words: list[str] | None = None, pad_token: str | None = "<pa
     core = Tokenizer(models.WordLevel(unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
-    core.train_from_iterator([" ".join(words)] * 2, trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS, min_frequency=1))
+    core.train_from_iterator(
+        [" ".join(words)] * 2, trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS, min_frequency=1)
+    )
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         eos_token="<|endoftext|>",
@@ -69,10 +73,20 @@ def _common(tokenizer, hidden_size, num_layers):
 def build_causal_lm(tokenizer, arch: str = "qwen2", hidden_size: int = 32, num_layers: int = 2, seed: int = 0):
     """A randomly initialised causal LM of `arch` ("qwen2", "llama" or "qwen3")."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
-    classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
-               "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    classes = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }
     config_cls, model_cls = classes[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**_common(tokenizer, hidden_size, num_layers)))
@@ -97,9 +111,16 @@ def build_encoder_decoder(tokenizer, d_model: int = 32, seed: int = 0):
 
     torch.manual_seed(seed)
     config = T5Config(
-        vocab_size=len(tokenizer), d_model=d_model, d_kv=8, d_ff=d_model * 2, num_layers=2, num_heads=4,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        decoder_start_token_id=tokenizer.pad_token_id, dropout_rate=0.0,
+        vocab_size=len(tokenizer),
+        d_model=d_model,
+        d_kv=8,
+        d_ff=d_model * 2,
+        num_layers=2,
+        num_heads=4,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+        dropout_rate=0.0,
     )
     model = T5ForConditionalGeneration(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -136,29 +157,67 @@ def build_vision_language_model(words: list[str] | None = None, seed: int = 0):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = build_tokenizer(words)
-    tokenizer.add_special_tokens({"additional_special_tokens": [
-        "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]})
+    tokenizer.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                "<|im_start|>",
+                "<|im_end|>",
+                "<|vision_start|>",
+                "<|vision_end|>",
+                "<|image_pad|>",
+                "<|video_pad|>",
+            ]
+        }
+    )
     tokenizer.chat_template = VL_CHAT_TEMPLATE
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2,
-                                               temporal_patch_size=2)
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2
+    )
     check = ProcessorMixin.check_argument_for_proper_class
     ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: type(arg)
     try:
-        processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
-                                     chat_template=VL_CHAT_TEMPLATE)
+        processor = Qwen2VLProcessor(
+            image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=VL_CHAT_TEMPLATE
+        )
     finally:
         ProcessorMixin.check_argument_for_proper_class = check
     ids = tokenizer.convert_tokens_to_ids
-    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-                rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, eos_token_id=tokenizer.eos_token_id,
-                bos_token_id=None, pad_token_id=tokenizer.pad_token_id)
-    vision = dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2, in_chans=3)
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
-                           video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
-                           vision_end_token_id=ids("<|vision_end|>"), eos_token_id=tokenizer.eos_token_id,
-                           bos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = dict(
+        depth=1,
+        embed_dim=32,
+        hidden_size=32,
+        num_heads=2,
+        mlp_ratio=2,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        in_chans=3,
+    )
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -7,20 +7,28 @@ from datasets import Dataset
 from tests.helpers import rloo_args, varied_reward
 from trl_unified import RLOOTrainer, extract_answer, generate_batched
 
+
 PROMPTS = ["a b c", "d e", "f g h i", "j k", "l", "m n o", "p q"]
 
 
 def last_word_answers(trainer, prompts):
     """What the trainer's greedy generation will answer, read with the 'last word' extractor."""
-    out = generate_batched(trainer.model, trainer.processing_class, prompts, trainer.generation_config(do_sample=False))
+    out = generate_batched(
+        trainer.model, trainer.processing_class, prompts, trainer.generation_config(do_sample=False)
+    )
     return [extract_answer(t, r"regex:(\S+)\s*$") for t in out.texts]
 
 
 def make_trainer(llama_path, tmp_path, eval_dataset, **overrides):
     overrides = {"answer_extractor": r"regex:(\S+)\s*$", **overrides}
     args = rloo_args(tmp_path, per_device_eval_batch_size=2, **overrides)
-    return RLOOTrainer(llama_path, varied_reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
-                       eval_dataset=eval_dataset)
+    return RLOOTrainer(
+        llama_path,
+        varied_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
+        eval_dataset=eval_dataset,
+    )
 
 
 def test_evaluate_logs_accuracy_and_writes_records(llama_path, tmp_path):
@@ -60,7 +68,9 @@ def test_evaluate_per_dataset_accuracy_with_dict(llama_path, tmp_path):
 def test_unparseable_generation_is_wrong(llama_path, tmp_path):
     # The default extractor wants <answer> tags, which a random model never writes.
     args = dict(answer_extractor="tags")
-    trainer = make_trainer(llama_path, tmp_path, Dataset.from_dict({"prompt": PROMPTS[:4], "answer": ["a"] * 4}), **args)
+    trainer = make_trainer(
+        llama_path, tmp_path, Dataset.from_dict({"prompt": PROMPTS[:4], "answer": ["a"] * 4}), **args
+    )
     metrics = trainer.evaluate()
     assert metrics["eval_accuracy"] == 0.0 and metrics["eval_answer_parse_rate"] == 0.0
 
@@ -72,8 +82,13 @@ def test_user_evaluate_metrics_plug_in(llama_path, tmp_path):
         def _info(self):
             import datasets
 
-            return evaluate.MetricInfo(description="", citation="", features=datasets.Features(
-                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}))
+            return evaluate.MetricInfo(
+                description="",
+                citation="",
+                features=datasets.Features(
+                    {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
+                ),
+            )
 
         def _compute(self, predictions, references):
             return {"first_char": sum(p[:1] == r[:1] for p, r in zip(predictions, references)) / len(predictions)}

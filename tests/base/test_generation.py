@@ -5,12 +5,16 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 from trl_unified import generate_batched
 from trl_unified.base.generation import cut_after_eos
 
+
 PROMPTS = ["a b", "c", "d e f g h i j", "k l m", "n o p q", "hello world"]
 
 
 def greedy(tokenizer, max_new_tokens=8):
     return GenerationConfig(
-        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
 
 
@@ -30,7 +34,10 @@ def test_generate_batched_conversational_and_token_ids(qwen2_model, tokenizer):
     config = greedy(tokenizer)
     messages = [[{"role": "user", "content": p}] for p in PROMPTS[:3]]
     conv = generate_batched(qwen2_model, tokenizer, messages, config, batch_size=2)
-    ids = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"] for m in messages]
+    ids = [
+        tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        for m in messages
+    ]
     by_ids = generate_batched(qwen2_model, tokenizer, ids, config, batch_size=3)
     assert conv.completion_ids_list == by_ids.completion_ids_list
 

@@ -13,21 +13,55 @@ def judge_path(tokenizer, tmp_path_factory):
     """A tiny GRM trained to always judge '<answer> 8 </answer>' (as a chat, like GRMReward asks it)."""
     out = tmp_path_factory.mktemp("judge")
     words = "a b c d e f g h i j k l".split()
-    rows = [{"prompt": [{"role": "user", "content": f"Rate the response question : {words[i % 12]} response : {words[(i * 5) % 12]} {words[(i * 7) % 12]}"}],
-             "completion": [{"role": "assistant", "content": "<answer> 8 </answer>"}]} for i in range(64)]
-    args = GRMConfig(output_dir=str(out / "run"), per_device_train_batch_size=16, max_steps=40, learning_rate=3e-3,
-                     bf16=False, report_to=[], save_strategy="no", gradient_checkpointing=False, seed=0)
-    trainer = GRMTrainer(build_causal_lm(tokenizer, "llama", hidden_size=64), args=args,
-                         train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    rows = [
+        {
+            "prompt": [
+                {
+                    "role": "user",
+                    "content": f"Rate the response question : {words[i % 12]} response : "
+                    f"{words[(i * 5) % 12]} {words[(i * 7) % 12]}",
+                }
+            ],
+            "completion": [{"role": "assistant", "content": "<answer> 8 </answer>"}],
+        }
+        for i in range(64)
+    ]
+    args = GRMConfig(
+        output_dir=str(out / "run"),
+        per_device_train_batch_size=16,
+        max_steps=40,
+        learning_rate=3e-3,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        gradient_checkpointing=False,
+        seed=0,
+    )
+    trainer = GRMTrainer(
+        build_causal_lm(tokenizer, "llama", hidden_size=64),
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
     trainer.train()
     return save_tiny_model(trainer.model, tokenizer, str(out / "judge"))
 
 
-@pytest.mark.parametrize("mode, answer, expected", [
-    ("score", "8", 7 / 9), ("score", "1", 0.0), ("score", "10", 1.0), ("score", "11", None), ("score", "eight", None),
-    ("score", None, None), ("pairwise", "a", 1.0), ("pairwise", "response b", 0.0), ("pairwise", "tie", 0.5),
-    ("pairwise", "c", None),
-])
+@pytest.mark.parametrize(
+    "mode, answer, expected",
+    [
+        ("score", "8", 7 / 9),
+        ("score", "1", 0.0),
+        ("score", "10", 1.0),
+        ("score", "11", None),
+        ("score", "eight", None),
+        ("score", None, None),
+        ("pairwise", "a", 1.0),
+        ("pairwise", "response b", 0.0),
+        ("pairwise", "tie", 0.5),
+        ("pairwise", "c", None),
+    ],
+)
 def test_answer_to_reward_mapping(mode, answer, expected, judge_path):
     assert GRMReward(judge_path, mode=mode).to_reward(answer) == expected
 

@@ -9,12 +9,17 @@ from peft import LoraConfig, PeftModel
 from tests.helpers import prompt_dataset, rloo_args, varied_reward
 from trl_unified import GRMConfig, GRMTrainer, RLOOTrainer
 
+
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
 
 def test_policy_and_processing_class_load_by_path(llama_path, tmp_path):
-    trainer = RLOOTrainer(llama_path, varied_reward, args=rloo_args(tmp_path, model_init_kwargs={"dtype": "float32"}),
-                          train_dataset=prompt_dataset())
+    trainer = RLOOTrainer(
+        llama_path,
+        varied_reward,
+        args=rloo_args(tmp_path, model_init_kwargs={"dtype": "float32"}),
+        train_dataset=prompt_dataset(),
+    )
     assert type(trainer.model).__name__ == "LlamaForCausalLM"
     assert trainer.processing_class.padding_side == "left"
     assert trainer.model.config._name_or_path == llama_path
@@ -24,8 +29,13 @@ def test_pad_token_falls_back_to_eos(llama_model, tmp_path):
     from trl_unified.testing import build_tokenizer
 
     tokenizer = build_tokenizer(pad_token=None)
-    trainer = RLOOTrainer(llama_model, varied_reward, args=rloo_args(tmp_path), train_dataset=prompt_dataset(),
-                          processing_class=tokenizer)
+    trainer = RLOOTrainer(
+        llama_model,
+        varied_reward,
+        args=rloo_args(tmp_path),
+        train_dataset=prompt_dataset(),
+        processing_class=tokenizer,
+    )
     assert tokenizer.pad_token == tokenizer.eos_token
     assert trainer.model.config.pad_token_id == tokenizer.eos_token_id
     trainer.train()
@@ -33,12 +43,19 @@ def test_pad_token_falls_back_to_eos(llama_model, tmp_path):
 
 def test_unknown_model_id_with_hub_offline_names_the_fix(tmp_path):
     with pytest.raises(ValueError, match="could not resolve it .*Pass a local path"):
-        RLOOTrainer("no-such-org/no-such-model", varied_reward, args=rloo_args(tmp_path), train_dataset=prompt_dataset())
+        RLOOTrainer(
+            "no-such-org/no-such-model", varied_reward, args=rloo_args(tmp_path), train_dataset=prompt_dataset()
+        )
 
 
 def test_peft_with_gradient_checkpointing_trains_the_adapter_only(llama_path, tmp_path):
-    trainer = RLOOTrainer(llama_path, varied_reward, args=rloo_args(tmp_path, gradient_checkpointing=True, beta=0.1),
-                          train_dataset=prompt_dataset(), peft_config=LoraConfig(**LORA))
+    trainer = RLOOTrainer(
+        llama_path,
+        varied_reward,
+        args=rloo_args(tmp_path, gradient_checkpointing=True, beta=0.1),
+        train_dataset=prompt_dataset(),
+        peft_config=LoraConfig(**LORA),
+    )
     before = {n: p.clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     assert trainer.accelerator.unwrap_model(trainer.model).base_model.model.model.layers[0].gradient_checkpointing
@@ -50,15 +67,20 @@ def test_peft_model_and_peft_config_together_is_rejected(llama_model, tokenizer,
     from peft import get_peft_model
 
     with pytest.raises(ValueError, match="already a PeftModel"):
-        GRMTrainer(get_peft_model(llama_model, LoraConfig(**LORA)), args=GRMConfig(output_dir=str(tmp_path), bf16=False),
-                   train_dataset=prompt_dataset().add_column("completion", ["x"] * 16), processing_class=tokenizer,
-                   peft_config=LoraConfig(**LORA))
+        GRMTrainer(
+            get_peft_model(llama_model, LoraConfig(**LORA)),
+            args=GRMConfig(output_dir=str(tmp_path), bf16=False),
+            train_dataset=prompt_dataset().add_column("completion", ["x"] * 16),
+            processing_class=tokenizer,
+            peft_config=LoraConfig(**LORA),
+        )
 
 
 def _bitsandbytes_cpu():
     try:
         import bitsandbytes  # noqa: F401
         from transformers import BitsAndBytesConfig  # noqa: F401
+
         return True
     except Exception:  # pragma: no cover
         return False
@@ -68,10 +90,18 @@ def _bitsandbytes_cpu():
 def test_qlora_policy_trains_and_saves_an_adapter(llama_path, tmp_path):
     from transformers import BitsAndBytesConfig
 
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
     args = rloo_args(tmp_path, beta=0.1, model_init_kwargs={"device_map": "cpu"})
-    trainer = RLOOTrainer(llama_path, varied_reward, args=args, train_dataset=prompt_dataset(),
-                          quantization_config=quantization, peft_config=LoraConfig(**LORA))
+    trainer = RLOOTrainer(
+        llama_path,
+        varied_reward,
+        args=args,
+        train_dataset=prompt_dataset(),
+        quantization_config=quantization,
+        peft_config=LoraConfig(**LORA),
+    )
     assert trainer.model.is_loaded_in_4bit and trainer.reference.kind == "adapter_disabled"
     before = {n: p.clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
     trainer.train()
@@ -80,7 +110,8 @@ def test_qlora_policy_trains_and_saves_an_adapter(llama_path, tmp_path):
     assert os.path.exists(tmp_path / "adapter" / "adapter_model.safetensors")
     assert not os.path.exists(tmp_path / "adapter" / "model.safetensors")
     reloaded = PeftModel.from_pretrained(
-        __import__("transformers").AutoModelForCausalLM.from_pretrained(llama_path), str(tmp_path / "adapter"))
+        __import__("transformers").AutoModelForCausalLM.from_pretrained(llama_path), str(tmp_path / "adapter")
+    )
     assert any("lora_" in n for n, _ in reloaded.named_parameters())
 
 
@@ -88,8 +119,13 @@ def test_quantised_policy_without_peft_is_rejected(llama_path, tmp_path):
     from transformers import BitsAndBytesConfig
 
     with pytest.raises(ValueError, match="quantised .* no peft_config"):
-        RLOOTrainer(llama_path, varied_reward, args=rloo_args(tmp_path, model_init_kwargs={"device_map": "cpu"}),
-                    train_dataset=prompt_dataset(), quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+        RLOOTrainer(
+            llama_path,
+            varied_reward,
+            args=rloo_args(tmp_path, model_init_kwargs={"device_map": "cpu"}),
+            train_dataset=prompt_dataset(),
+            quantization_config=BitsAndBytesConfig(load_in_4bit=True),
+        )
 
 
 def test_trust_remote_code_is_off_unless_asked(llama_path, tmp_path, monkeypatch):
@@ -104,5 +140,7 @@ def test_trust_remote_code_is_off_unless_asked(llama_path, tmp_path, monkeypatch
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(spy))
     RLOOTrainer(llama_path, varied_reward, args=rloo_args(tmp_path), train_dataset=prompt_dataset())
-    RLOOTrainer(llama_path, varied_reward, args=rloo_args(tmp_path, trust_remote_code=True), train_dataset=prompt_dataset())
+    RLOOTrainer(
+        llama_path, varied_reward, args=rloo_args(tmp_path, trust_remote_code=True), train_dataset=prompt_dataset()
+    )
     assert seen == [False, True]

@@ -6,6 +6,7 @@ from tests.helpers import prompt_dataset, rloo_args
 from tests.helpers import varied_reward as count_a
 from trl_unified import RLOOTrainer, compute_token_logprobs
 
+
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
 
@@ -37,8 +38,13 @@ def test_plain_model_gets_frozen_copy_in_eval_mode(llama_path, tmp_path):
 
 def test_in_memory_model_never_saved_gets_a_reference(llama_model, tokenizer, tmp_path):
     llama_model.config._name_or_path = ""  # built in memory: there is nothing to reload by name
-    trainer = RLOOTrainer(llama_model, count_a, args=rloo_args(tmp_path, beta=0.1), train_dataset=prompt_dataset(),
-                          processing_class=tokenizer)
+    trainer = RLOOTrainer(
+        llama_model,
+        count_a,
+        args=rloo_args(tmp_path, beta=0.1),
+        train_dataset=prompt_dataset(),
+        processing_class=tokenizer,
+    )
     assert trainer.reference.kind == "copy"
     trainer.train()
     assert any("kl" in log for log in trainer.state.log_history)
@@ -48,8 +54,14 @@ def test_peft_reference_is_the_base_model(llama_model, tokenizer, tmp_path):
     ids, mask, keep = probe(tokenizer)
     with torch.no_grad():
         base_logps = compute_token_logprobs(llama_model, ids, mask, keep).logps
-    trainer = RLOOTrainer(llama_model, count_a, args=rloo_args(tmp_path, beta=0.1, max_steps=3),
-                          train_dataset=prompt_dataset(), processing_class=tokenizer, peft_config=LoraConfig(**LORA))
+    trainer = RLOOTrainer(
+        llama_model,
+        count_a,
+        args=rloo_args(tmp_path, beta=0.1, max_steps=3),
+        train_dataset=prompt_dataset(),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(**LORA),
+    )
     assert trainer.reference.kind == "adapter_disabled" and trainer.reference.model is None  # no copy kept
     trainer.train()
     with torch.no_grad():
@@ -70,8 +82,13 @@ def test_pretrained_adapter_reference_is_a_frozen_copy_of_it(llama_model, tokeni
         with peft_model.disable_adapter():
             base_logps = compute_token_logprobs(peft_model, ids, mask, keep).logps
     assert (start_logps - base_logps).abs().max() > 1e-3
-    trainer = RLOOTrainer(peft_model, count_a, args=rloo_args(tmp_path, beta=0.1, max_steps=3),
-                          train_dataset=prompt_dataset(), processing_class=tokenizer)
+    trainer = RLOOTrainer(
+        peft_model,
+        count_a,
+        args=rloo_args(tmp_path, beta=0.1, max_steps=3),
+        train_dataset=prompt_dataset(),
+        processing_class=tokenizer,
+    )
     assert isinstance(trainer.model, PeftModel) and trainer.reference.kind == "ref_adapter"
     ref_params = {n: p.clone() for n, p in trainer.model.named_parameters() if ".ref." in n}
     assert ref_params and not any(p.requires_grad for n, p in trainer.model.named_parameters() if ".ref." in n)
@@ -88,12 +105,19 @@ def test_pretrained_adapter_reference_is_a_frozen_copy_of_it(llama_model, tokeni
 
 
 def test_explicit_ref_model_by_path(llama_path, qwen2_path, tmp_path):
-    trainer = RLOOTrainer(llama_path, count_a, args=rloo_args(tmp_path, beta=0.1), train_dataset=prompt_dataset(),
-                          ref_model=llama_path)
+    trainer = RLOOTrainer(
+        llama_path, count_a, args=rloo_args(tmp_path, beta=0.1), train_dataset=prompt_dataset(), ref_model=llama_path
+    )
     assert trainer.reference.kind == "copy" and not any(p.requires_grad for p in trainer.reference.model.parameters())
 
 
 def test_ref_model_with_peft_is_rejected(llama_path, tmp_path):
     with pytest.raises(ValueError, match="ref_model was given together with a PEFT policy"):
-        RLOOTrainer(llama_path, count_a, args=rloo_args(tmp_path, beta=0.1), train_dataset=prompt_dataset(),
-                    ref_model=llama_path, peft_config=LoraConfig(**LORA))
+        RLOOTrainer(
+            llama_path,
+            count_a,
+            args=rloo_args(tmp_path, beta=0.1),
+            train_dataset=prompt_dataset(),
+            ref_model=llama_path,
+            peft_config=LoraConfig(**LORA),
+        )

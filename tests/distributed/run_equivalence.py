@@ -5,6 +5,7 @@ import sys
 
 import torch
 
+
 torch.set_num_threads(1)
 
 from datasets import Dataset  # noqa: E402
@@ -13,12 +14,29 @@ from transformers import LlamaForCausalLM  # noqa: E402
 from trl_unified import GRMConfig, GRMTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 from trl_unified.testing import build_causal_lm, build_tokenizer  # noqa: E402
 
+
 kind, out, layout = sys.argv[1], sys.argv[2], sys.argv[3]
-batch = {"ddp": dict(per_device_train_batch_size=4), "single": dict(per_device_train_batch_size=8),
-         "ga": dict(per_device_train_batch_size=4, gradient_accumulation_steps=2)}[layout]
-common = dict(output_dir=f"{out}/{layout}", max_steps=2, optim="sgd", learning_rate=0.1, bf16=False, report_to=[],
-              save_strategy="no", gradient_checkpointing=False, seed=0, logging_steps=1, max_grad_norm=1e9,
-              lr_scheduler_type="constant", disable_tqdm=True, **batch)
+batch = {
+    "ddp": dict(per_device_train_batch_size=4),
+    "single": dict(per_device_train_batch_size=8),
+    "ga": dict(per_device_train_batch_size=4, gradient_accumulation_steps=2),
+}[layout]
+common = dict(
+    output_dir=f"{out}/{layout}",
+    max_steps=2,
+    optim="sgd",
+    learning_rate=0.1,
+    bf16=False,
+    report_to=[],
+    save_strategy="no",
+    gradient_checkpointing=False,
+    seed=0,
+    logging_steps=1,
+    max_grad_norm=1e9,
+    lr_scheduler_type="constant",
+    disable_tqdm=True,
+    **batch,
+)
 
 
 def fake_generate(self, input_ids, attention_mask=None, generation_config=None, **kwargs):
@@ -36,12 +54,26 @@ model = build_causal_lm(tokenizer, "llama")
 if kind == "rloo":
     LlamaForCausalLM.generate = fake_generate
     args = RLOOConfig(num_generations=4, max_completion_length=5, beta=0.1, **common)
-    trainer = RLOOTrainer(model, lambda completion_ids, **kw: [(ids[0] % 5) / 5 for ids in completion_ids], args=args,
-                          train_dataset=Dataset.from_dict({"prompt": ["a b c", "d e"]}), processing_class=tokenizer)
+    trainer = RLOOTrainer(
+        model,
+        lambda completion_ids, **kw: [(ids[0] % 5) / 5 for ids in completion_ids],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["a b c", "d e"]}),
+        processing_class=tokenizer,
+    )
 else:
-    data = Dataset.from_dict({"prompt": [f"which is larger : {a} or {b} ?" for a, b in [(1, 2), (3, 9), (4, 0), (7, 5)] * 2],
-                              "completion": ["<answer> 2 </answer>", "it is <answer> 9 </answer>", "<answer> 4 </answer>",
-                                             "so the answer is <answer> 7 </answer>"] * 2})
+    data = Dataset.from_dict(
+        {
+            "prompt": [f"which is larger : {a} or {b} ?" for a, b in [(1, 2), (3, 9), (4, 0), (7, 5)] * 2],
+            "completion": [
+                "<answer> 2 </answer>",
+                "it is <answer> 9 </answer>",
+                "<answer> 4 </answer>",
+                "so the answer is <answer> 7 </answer>",
+            ]
+            * 2,
+        }
+    )
     trainer = GRMTrainer(model, args=GRMConfig(**common), train_dataset=data, processing_class=tokenizer)
 trainer.train()
 if trainer.accelerator.is_main_process:

@@ -13,6 +13,7 @@ import pytest
 
 from tests.distributed.test_multiprocess import ROOT, launch
 
+
 CONFIGS = os.path.join(ROOT, "examples", "accelerate_configs")
 SCRIPT = os.path.join(ROOT, "tests", "distributed", "run_engine_smoke.py")
 
@@ -28,12 +29,15 @@ def smoke(config, kind, tmp_path):
 def _deepspeed_available():
     try:
         import deepspeed  # noqa: F401
+
         return True
     except Exception:
         return False
 
 
-needs_deepspeed = pytest.mark.skipif(not _deepspeed_available(), reason="deepspeed is not installed (the 'deepspeed' extra)")
+needs_deepspeed = pytest.mark.skipif(
+    not _deepspeed_available(), reason="deepspeed is not installed (the 'deepspeed' extra)"
+)
 
 
 @pytest.mark.distributed

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DDP_CONFIG = os.path.join(ROOT, "examples", "accelerate_configs", "multi_gpu.yaml")
 
@@ -59,15 +60,22 @@ def test_ddp_two_processes_equal_one_process_and_accumulation(kind, tmp_path):
     launch([script, kind, str(tmp_path), "ddp"])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for layout in ("single", "ga"):
-        result = subprocess.run([sys.executable, script, kind, str(tmp_path), layout], capture_output=True, text=True,
-                                env=env, timeout=300, cwd=ROOT)
+        result = subprocess.run(
+            [sys.executable, script, kind, str(tmp_path), layout],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+            cwd=ROOT,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
     import torch
 
     runs = {layout: torch.load(tmp_path / f"{kind}-{layout}.pt") for layout in ("ddp", "single", "ga")}
     assert runs["ddp"]["processes"] == 2 and runs["single"]["processes"] == 1
     initial = __import__("trl_unified.testing", fromlist=["x"]).build_causal_lm(
-        __import__("trl_unified.testing", fromlist=["x"]).build_tokenizer(), "llama")
+        __import__("trl_unified.testing", fromlist=["x"]).build_tokenizer(), "llama"
+    )
     moved = 0
     for name, p in runs["single"]["params"].items():
         torch.testing.assert_close(runs["ddp"]["params"][name], p, rtol=1e-5, atol=1e-5, msg=name)

@@ -9,6 +9,7 @@ from transformers import TrainerCallback
 from trl_unified import GRMConfig, GRMTrainer
 from trl_unified.testing import build_causal_lm, build_image, build_vision_language_model
 
+
 LLAMA3_TEMPLATE = (  # a different template shape: headers and an end-of-turn marker after every message
     "{% for m in messages %}{{ '<|im_start|> ' + m['role'] + ' : ' + m['content'] + ' <|im_end|> ' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|> assistant : ' }}{% endif %}"
@@ -16,14 +17,27 @@ LLAMA3_TEMPLATE = (  # a different template shape: headers and an end-of-turn ma
 
 
 def judging_row(a, b):
-    return {"prompt": [{"role": "user", "content": f"which is larger : {a} or {b} ?"}],
-            "completion": [{"role": "assistant", "content": f"<answer> {max(a, b)} </answer>"}]}
+    return {
+        "prompt": [{"role": "user", "content": f"which is larger : {a} or {b} ?"}],
+        "completion": [{"role": "assistant", "content": f"<answer> {max(a, b)} </answer>"}],
+    }
 
 
 def grm_args(tmp_path, **overrides):
-    kwargs = dict(output_dir=str(tmp_path / "grm"), per_device_train_batch_size=4, max_steps=2, learning_rate=1e-3,
-                  logging_steps=1, bf16=False, report_to=[], save_strategy="no", gradient_checkpointing=False,
-                  max_completion_length=6, per_device_eval_batch_size=8, seed=0)
+    kwargs = dict(
+        output_dir=str(tmp_path / "grm"),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        gradient_checkpointing=False,
+        max_completion_length=6,
+        per_device_eval_batch_size=8,
+        seed=0,
+    )
     kwargs.update(overrides)
     return GRMConfig(**kwargs)
 
@@ -42,32 +56,60 @@ def test_loss_mask_covers_the_judgment_only(fmt, qwen2_model, tokenizer, tmp_pat
         data = {"prompt": ["which is larger : 3 or 7 ?"], "completion": ["<answer> 7 </answer>"]}
         expected = "<answer> 7 </answer> <|endoftext|>"
     elif fmt == "messages":
-        data = {"messages": [[{"role": "user", "content": "which is larger : 3 or 7 ?"},
-                              {"role": "assistant", "content": "<answer> 7 </answer>"}]]}
+        data = {
+            "messages": [
+                [
+                    {"role": "user", "content": "which is larger : 3 or 7 ?"},
+                    {"role": "assistant", "content": "<answer> 7 </answer>"},
+                ]
+            ]
+        }
         expected = "<answer> 7 </answer> <|im_end|>"
     else:
         data = {k: [v] for k, v in judging_row(3, 7).items()}
         expected = "<answer> 7 </answer> <|im_end|>"
         if fmt == "other_template":
-            tok = type(tokenizer)(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|endoftext|>",
-                                  pad_token="<pad>", unk_token="<unk>")
+            tok = type(tokenizer)(
+                tokenizer_object=tokenizer.backend_tokenizer,
+                eos_token="<|endoftext|>",
+                pad_token="<pad>",
+                unk_token="<unk>",
+            )
             tok.chat_template = LLAMA3_TEMPLATE
             expected = "<answer> 7 </answer> <|im_end|>"
-    trainer = GRMTrainer(qwen2_model, args=grm_args(tmp_path), train_dataset=Dataset.from_dict(data), processing_class=tok)
+    trainer = GRMTrainer(
+        qwen2_model, args=grm_args(tmp_path), train_dataset=Dataset.from_dict(data), processing_class=tok
+    )
     assert labelled_text(trainer) == expected
 
 
 def test_assistant_only_loss_uses_template_spans(qwen2_model, tokenizer, tmp_path):
-    data = {"messages": [[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b c"},
-                          {"role": "user", "content": "d"}, {"role": "assistant", "content": "<answer> e </answer>"}]]}
-    trainer = GRMTrainer(qwen2_model, args=grm_args(tmp_path, assistant_only_loss=True),
-                         train_dataset=Dataset.from_dict(data), processing_class=tokenizer)
+    data = {
+        "messages": [
+            [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b c"},
+                {"role": "user", "content": "d"},
+                {"role": "assistant", "content": "<answer> e </answer>"},
+            ]
+        ]
+    }
+    trainer = GRMTrainer(
+        qwen2_model,
+        args=grm_args(tmp_path, assistant_only_loss=True),
+        train_dataset=Dataset.from_dict(data),
+        processing_class=tokenizer,
+    )
     assert labelled_text(trainer) == "b c <|im_end|> <answer> e </answer> <|im_end|>"  # both assistant turns
 
 
 def test_text_rows_learn_every_token(qwen2_model, tokenizer, tmp_path):
-    trainer = GRMTrainer(qwen2_model, args=grm_args(tmp_path), train_dataset=Dataset.from_dict({"text": ["a b c d"]}),
-                         processing_class=tokenizer)
+    trainer = GRMTrainer(
+        qwen2_model,
+        args=grm_args(tmp_path),
+        train_dataset=Dataset.from_dict({"text": ["a b c d"]}),
+        processing_class=tokenizer,
+    )
     assert labelled_text(trainer) == "b c d <|endoftext|>"  # position 0 is never a target
 
 
@@ -102,10 +144,18 @@ def test_gradient_accumulation_gives_the_same_update(tokenizer, tmp_path):
     rows = [judging_row(a, b) for a, b in [(1, 5), (9, 2), (4, 3), (7, 8), (0, 6), (12, 3), (5, 15), (2, 1)]]
     rows[1]["completion"][0]["content"] = "it is 9 , so <answer> 9 </answer>"  # unequal judgment lengths
     grads, params = {}, {}
-    for name, kw in {"bs8": dict(per_device_train_batch_size=8), "bs4_ga2": dict(per_device_train_batch_size=4, gradient_accumulation_steps=2)}.items():
+    for name, kw in {
+        "bs8": dict(per_device_train_batch_size=8),
+        "bs4_ga2": dict(per_device_train_batch_size=4, gradient_accumulation_steps=2),
+    }.items():
         recorder = GradRecorder()
-        trainer = GRMTrainer(build_causal_lm(tokenizer, "qwen2"), args=grm_args(tmp_path, max_steps=1, max_grad_norm=1e9, optim="sgd", **kw),
-                             train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[recorder])
+        trainer = GRMTrainer(
+            build_causal_lm(tokenizer, "qwen2"),
+            args=grm_args(tmp_path, max_steps=1, max_grad_norm=1e9, optim="sgd", **kw),
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer,
+            callbacks=[recorder],
+        )
         trainer.get_train_dataloader = _ordered_loader(trainer)
         trainer.train()
         grads[name], params[name] = recorder.grads[0], dict(trainer.model.named_parameters())
@@ -119,9 +169,15 @@ def _ordered_loader(trainer):
     from torch.utils.data import DataLoader, SequentialSampler
 
     def loader():
-        return trainer.accelerator.prepare(DataLoader(
-            trainer._remove_unused_columns(trainer.train_dataset, "training"), batch_size=trainer._train_batch_size,
-            sampler=SequentialSampler(trainer.train_dataset), collate_fn=trainer.data_collator))
+        return trainer.accelerator.prepare(
+            DataLoader(
+                trainer._remove_unused_columns(trainer.train_dataset, "training"),
+                batch_size=trainer._train_batch_size,
+                sampler=SequentialSampler(trainer.train_dataset),
+                collate_fn=trainer.data_collator,
+            )
+        )
+
     return loader
 
 
@@ -138,23 +194,38 @@ def test_training_changes_every_parameter_and_logs(qwen2_model, tokenizer, tmp_p
 
 
 # ------------------------------------------------------------------ bad input
-@pytest.mark.parametrize("data, kwargs, match", [
-    ({"prompt": ["a"]}, {}, "needs the judgment"),
-    ({"messages": [[{"role": "user", "content": "a"}]]}, {}, "last message .* must be the assistant's"),
-    ({"prompt": ["a b c d e f g h"], "completion": ["<answer> a </answer>"]}, {"max_length": 6}, "Row 0 has no judgment tokens"),
-    ({"prompt": [], "completion": []}, {}, "empty"),
-])
+@pytest.mark.parametrize(
+    "data, kwargs, match",
+    [
+        ({"prompt": ["a"]}, {}, "needs the judgment"),
+        ({"messages": [[{"role": "user", "content": "a"}]]}, {}, "last message .* must be the assistant's"),
+        (
+            {"prompt": ["a b c d e f g h"], "completion": ["<answer> a </answer>"]},
+            {"max_length": 6},
+            "Row 0 has no judgment tokens",
+        ),
+        ({"prompt": [], "completion": []}, {}, "empty"),
+    ],
+)
 def test_bad_datasets_are_rejected_before_training(data, kwargs, match, qwen2_model, tokenizer, tmp_path):
     with pytest.raises(ValueError, match=match):
-        GRMTrainer(qwen2_model, args=grm_args(tmp_path, **kwargs), train_dataset=Dataset.from_dict(data),
-                   processing_class=tokenizer)
+        GRMTrainer(
+            qwen2_model,
+            args=grm_args(tmp_path, **kwargs),
+            train_dataset=Dataset.from_dict(data),
+            processing_class=tokenizer,
+        )
 
 
 def test_images_with_a_text_tokenizer_are_rejected(qwen2_model, tokenizer, tmp_path):
     row = {**judging_row(1, 2), "images": [build_image(0)]}
     with pytest.raises(ValueError, match="not an image processor"):
-        GRMTrainer(qwen2_model, args=grm_args(tmp_path), train_dataset=Dataset.from_list([row] * 4),
-                   processing_class=tokenizer)
+        GRMTrainer(
+            qwen2_model,
+            args=grm_args(tmp_path),
+            train_dataset=Dataset.from_list([row] * 4),
+            processing_class=tokenizer,
+        )
 
 
 @pytest.mark.parametrize("field, value", [("packing", True), ("padding_free", True), ("loss_type", "dft")])
@@ -168,11 +239,26 @@ def test_grm_learns_to_judge_which_number_is_larger(tokenizer, tmp_path):
     rng = random.Random(0)
     pairs = [(a, b) for a in range(10) for b in range(10) if a != b]
     rng.shuffle(pairs)
-    train, held_out = Dataset.from_list([judging_row(a, b) for a, b in pairs[:70]] * 4), Dataset.from_list([judging_row(a, b) for a, b in pairs[70:]])
-    args = grm_args(tmp_path, per_device_train_batch_size=16, learning_rate=3e-3, max_steps=150, logging_steps=50,
-                    lr_scheduler_type="constant", per_device_eval_batch_size=20)
-    trainer = GRMTrainer(build_causal_lm(tokenizer, "qwen2", hidden_size=64), args=args, train_dataset=train,
-                         eval_dataset=held_out, processing_class=tokenizer)
+    train, held_out = (
+        Dataset.from_list([judging_row(a, b) for a, b in pairs[:70]] * 4),
+        Dataset.from_list([judging_row(a, b) for a, b in pairs[70:]]),
+    )
+    args = grm_args(
+        tmp_path,
+        per_device_train_batch_size=16,
+        learning_rate=3e-3,
+        max_steps=150,
+        logging_steps=50,
+        lr_scheduler_type="constant",
+        per_device_eval_batch_size=20,
+    )
+    trainer = GRMTrainer(
+        build_causal_lm(tokenizer, "qwen2", hidden_size=64),
+        args=args,
+        train_dataset=train,
+        eval_dataset=held_out,
+        processing_class=tokenizer,
+    )
     before = trainer.evaluate()["eval_accuracy"]
     trainer.train()
     after = trainer.evaluate()
@@ -190,18 +276,33 @@ def _pair(prompt):
 # ------------------------------------------------------------------ vision-language
 def test_vision_language_grm_trains_and_evaluates(tmp_path):
     model, processor = build_vision_language_model()
-    rows = [{"prompt": [{"role": "user", "content": "which image is brighter ?"}],
-             "completion": [{"role": "assistant", "content": f"<answer> {'A' if i % 2 else 'B'} </answer>"}],
-             "images": [build_image(i)]} for i in range(8)]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "which image is brighter ?"}],
+            "completion": [{"role": "assistant", "content": f"<answer> {'A' if i % 2 else 'B'} </answer>"}],
+            "images": [build_image(i)],
+        }
+        for i in range(8)
+    ]
     rows[0] = {"prompt": rows[0]["prompt"], "completion": rows[0]["completion"], "image": build_image(0)}
     rows = rows[1:]  # one shape per dataset: "images" rows
-    trainer = GRMTrainer(model, args=grm_args(tmp_path, max_steps=2), train_dataset=Dataset.from_list(rows),
-                         eval_dataset=Dataset.from_list(rows), processing_class=processor)
+    trainer = GRMTrainer(
+        model,
+        args=grm_args(tmp_path, max_steps=2),
+        train_dataset=Dataset.from_list(rows),
+        eval_dataset=Dataset.from_list(rows),
+        processing_class=processor,
+    )
     batch = trainer.data_collator([trainer.train_dataset[0]])
-    assert "pixel_values" in batch and processor.decode(batch["labels"][0][batch["labels"][0] != -100]) == "<answer> A </answer> <|im_end|>"
+    assert (
+        "pixel_values" in batch
+        and processor.decode(batch["labels"][0][batch["labels"][0] != -100]) == "<answer> A </answer> <|im_end|>"
+    )
     before = {n: p.clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
-    assert all(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if not n.endswith("k_proj.bias"))
+    assert all(
+        not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if not n.endswith("k_proj.bias")
+    )
     metrics = trainer.evaluate()
     assert "eval_accuracy" in metrics and "eval_loss" in metrics
     assert len(open(trainer.last_eval_records_path).readlines()) == len(rows)
@@ -209,6 +310,11 @@ def test_vision_language_grm_trains_and_evaluates(tmp_path):
 
 def test_formatting_func_builds_text_rows(qwen2_model, tokenizer, tmp_path):
     data = Dataset.from_dict({"question": ["a b"], "verdict": ["c d"]})
-    trainer = GRMTrainer(qwen2_model, args=grm_args(tmp_path), train_dataset=data, processing_class=tokenizer,
-                         formatting_func=lambda row: f"{row['question']} {row['verdict']}")
+    trainer = GRMTrainer(
+        qwen2_model,
+        args=grm_args(tmp_path),
+        train_dataset=data,
+        processing_class=tokenizer,
+        formatting_func=lambda row: f"{row['question']} {row['verdict']}",
+    )
     assert labelled_text(trainer) == "b c d <|endoftext|>"

@@ -19,7 +19,9 @@ def test_rloo_advantages_match_hand_computation():
     expected = torch.tensor([0.0, -1.5, 1.5, 0.0, 0.0, 0.0])
     torch.testing.assert_close(rloo_advantages(rewards, num_generations=3), expected)
     # closed form: G/(G-1) * (r - mean)
-    torch.testing.assert_close(rloo_advantages(rewards, 3), 1.5 * (rewards - rewards.view(2, 3).mean(1).repeat_interleave(3)))
+    torch.testing.assert_close(
+        rloo_advantages(rewards, 3), 1.5 * (rewards - rewards.view(2, 3).mean(1).repeat_interleave(3))
+    )
 
 
 def test_rloo_advantages_skip_unscorable_rows():
@@ -37,8 +39,12 @@ def test_nanstd_is_bessel_corrected_and_ignores_nan():
 
 
 def test_kl_shaping_and_normalisation_in_trainer(llama_path, tmp_path):
-    trainer = RLOOTrainer(llama_path, varied_reward, args=rloo_args(tmp_path, beta=0.5, normalize_advantages=True,
-                                                                    reward_clip_range=(0.0, 2.0)), train_dataset=prompt_dataset())
+    trainer = RLOOTrainer(
+        llama_path,
+        varied_reward,
+        args=rloo_args(tmp_path, beta=0.5, normalize_advantages=True, reward_clip_range=(0.0, 2.0)),
+        train_dataset=prompt_dataset(),
+    )
     rewards = torch.tensor([1.0, 3.0, 0.0, 2.0])  # 3.0 is clipped to 2.0
     kl = torch.tensor([0.2, 0.0, 1.0, 0.0])
     loo = torch.tensor([0.9 - 2.0, 2.0 - 0.9, -0.5 - 2.0, 2.0 + 0.5])  # shaped r - 0.5 kl = [0.9, 2.0, -0.5, 2.0]
@@ -68,22 +74,26 @@ def test_config_fields_are_documented_once():
         assert f"{name} (`" in doc and help_text in doc, name
 
 
-@pytest.mark.parametrize("field, value", [("use_vllm", True), ("vllm_mode", "server"),
-                                          ("use_transformers_continuous_batching", True)])
+@pytest.mark.parametrize(
+    "field, value", [("use_vllm", True), ("vllm_mode", "server"), ("use_transformers_continuous_batching", True)]
+)
 def test_unimplemented_compat_fields_raise(field, value, tmp_path):
     with pytest.raises(NotImplementedError, match=field):
         RLOOConfig(output_dir=str(tmp_path), **{field: value})
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(num_generations=1), "num_generations=1"),
-    (dict(per_device_train_batch_size=3, num_generations=2), "divisible by num_generations"),
-    (dict(generation_batch_size=6, per_device_train_batch_size=4), "must be divisible by the global batch size"),
-    (dict(generation_batch_size=8, steps_per_generation=2), "not both"),
-    (dict(beta=-1.0), "beta=-1.0"),
-    (dict(temperature=0.0), "temperature=0.0"),
-    (dict(answer_extractor="json"), "answer_extractor='json'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_generations=1), "num_generations=1"),
+        (dict(per_device_train_batch_size=3, num_generations=2), "divisible by num_generations"),
+        (dict(generation_batch_size=6, per_device_train_batch_size=4), "must be divisible by the global batch size"),
+        (dict(generation_batch_size=8, steps_per_generation=2), "not both"),
+        (dict(beta=-1.0), "beta=-1.0"),
+        (dict(temperature=0.0), "temperature=0.0"),
+        (dict(answer_extractor="json"), "answer_extractor='json'"),
+    ],
+)
 def test_bad_config_is_rejected_with_the_field_name(kwargs, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         RLOOConfig(output_dir=str(tmp_path), **kwargs)
@@ -91,16 +101,30 @@ def test_bad_config_is_rejected_with_the_field_name(kwargs, match, tmp_path):
 
 # ------------------------------------------------------------------ training
 def test_training_changes_every_parameter_and_logs_trl_metrics(llama_path, tmp_path):
-    trainer = RLOOTrainer(llama_path, varied_reward, args=rloo_args(tmp_path, beta=0.1, max_steps=3),
-                          train_dataset=prompt_dataset())
+    trainer = RLOOTrainer(
+        llama_path, varied_reward, args=rloo_args(tmp_path, beta=0.1, max_steps=3), train_dataset=prompt_dataset()
+    )
     before = {n: p.clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     for name, p in trainer.model.named_parameters():
         assert not torch.equal(p, before[name]), f"{name} did not change"
     logs = trainer.state.log_history[0]
-    for key in ("loss", "num_tokens", "completions/mean_length", "completions/clipped_ratio", "rewards/varied_reward/mean",
-                "rewards/varied_reward/std", "reward", "reward_std", "frac_reward_zero_std", "kl", "entropy",
-                "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_max"):
+    for key in (
+        "loss",
+        "num_tokens",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "rewards/varied_reward/mean",
+        "rewards/varied_reward/std",
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "kl",
+        "entropy",
+        "clip_ratio/region_mean",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_max",
+    ):
         assert key in logs, key
 
 
@@ -112,8 +136,12 @@ def test_conversational_prompts_extra_columns_and_reward_kwargs(llama_path, tmp_
         log_metric("custom/len", sum(len(c[0]["content"]) for c in completions) / len(completions))
         return [float(len(ids)) for ids in completion_ids]
 
-    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in ["a b", "c d", "e", "f g"]] * 2,
-                              "target": ["x", "y", "z", "w"] * 2})
+    data = Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": p}] for p in ["a b", "c d", "e", "f g"]] * 2,
+            "target": ["x", "y", "z", "w"] * 2,
+        }
+    )
     trainer = RLOOTrainer(llama_path, reward, args=rloo_args(tmp_path, beta=0.0), train_dataset=data)
     trainer.train()
     assert seen["completions"][0][0]["role"] == "assistant"
@@ -131,11 +159,16 @@ def test_async_reward_functions_run_concurrently(llama_path, tmp_path):
             await asyncio.sleep(0.2)
             spans.append((start, time.perf_counter()))
             return [1.0] * len(completions)
+
         reward.__name__ = name
         return reward
 
-    trainer = RLOOTrainer(llama_path, [make("slow1"), make("slow2"), varied_reward],
-                          args=rloo_args(tmp_path, max_steps=1), train_dataset=prompt_dataset())
+    trainer = RLOOTrainer(
+        llama_path,
+        [make("slow1"), make("slow2"), varied_reward],
+        args=rloo_args(tmp_path, max_steps=1),
+        train_dataset=prompt_dataset(),
+    )
     trainer.train()
     (s1, e1), (s2, e2) = spans[:2]
     assert s2 < e1 and s1 < e2  # the two sleeps overlapped
@@ -146,8 +179,12 @@ def test_reward_model_by_path_none_rewards_and_weights(llama_path, reward_model_
     def sometimes_none(completions, **kwargs):
         return [None if i % 2 else 1.0 for i in range(len(completions))]
 
-    trainer = RLOOTrainer(llama_path, [reward_model_path, sometimes_none],
-                          args=rloo_args(tmp_path, reward_weights=[0.5, 2.0], max_steps=1), train_dataset=prompt_dataset())
+    trainer = RLOOTrainer(
+        llama_path,
+        [reward_model_path, sometimes_none],
+        args=rloo_args(tmp_path, reward_weights=[0.5, 2.0], max_steps=1),
+        train_dataset=prompt_dataset(),
+    )
     assert trainer.rewards.names == ["reward", "sometimes_none"]
     trainer.train()
     logs = trainer.state.log_history[0]
@@ -163,8 +200,13 @@ def test_iterable_dataset(llama_path, tmp_path):
 
 
 def test_eval_metrics_have_eval_prefix(llama_path, tmp_path):
-    trainer = RLOOTrainer(llama_path, varied_reward, args=rloo_args(tmp_path, per_device_eval_batch_size=4),
-                          train_dataset=prompt_dataset(), eval_dataset=prompt_dataset(8))
+    trainer = RLOOTrainer(
+        llama_path,
+        varied_reward,
+        args=rloo_args(tmp_path, per_device_eval_batch_size=4),
+        train_dataset=prompt_dataset(),
+        eval_dataset=prompt_dataset(8),
+    )
     metrics = trainer.evaluate()
     for key in ("eval_loss", "eval_reward", "eval_completions/mean_length", "eval_entropy"):
         assert key in metrics, key
@@ -174,11 +216,18 @@ def test_no_extra_forward_when_generation_is_aligned(llama_path, tmp_path):
     """num_iterations=1 and steps_per_generation == gradient accumulation: one policy forward per micro-step (the
     loss's); TRL runs a second, no-grad forward for the old log-probs. With num_iterations=2 the old log-probs are
     needed and computed once per generation."""
+
     def policy_forwards(**kwargs):
-        trainer = RLOOTrainer(llama_path, varied_reward, args=rloo_args(tmp_path, max_steps=2, beta=0.1, **kwargs),
-                              train_dataset=prompt_dataset())
+        trainer = RLOOTrainer(
+            llama_path,
+            varied_reward,
+            args=rloo_args(tmp_path, max_steps=2, beta=0.1, **kwargs),
+            train_dataset=prompt_dataset(),
+        )
         state = {"generating": False, "forwards": 0}
-        trainer.model.register_forward_hook(lambda *a: state.update(forwards=state["forwards"] + (not state["generating"])))
+        trainer.model.register_forward_hook(
+            lambda *a: state.update(forwards=state["forwards"] + (not state["generating"]))
+        )
         generate = trainer.model.generate
 
         def counting_generate(*args, **kw):
@@ -201,8 +250,12 @@ def test_log_completions_prints_samples_with_extra_columns(llama_path, tmp_path,
         log_extra("judge_note", [f"len={len(c)}" for c in completions])
         return [float(len(c)) for c in completions]
 
-    trainer = RLOOTrainer(llama_path, reward, args=rloo_args(tmp_path, max_steps=1, log_completions=True,
-                                                             num_completions_to_print=2), train_dataset=prompt_dataset())
+    trainer = RLOOTrainer(
+        llama_path,
+        reward,
+        args=rloo_args(tmp_path, max_steps=1, log_completions=True, num_completions_to_print=2),
+        train_dataset=prompt_dataset(),
+    )
     trainer.train()
     out = capsys.readouterr().out
     assert out.count("reward=") == 2 and "judge_note: len=" in out and "completion:" in out
@@ -212,10 +265,17 @@ def test_vision_language_policy_with_images(tmp_path):
     from trl_unified.testing import build_image, build_vision_language_model
 
     model, processor = build_vision_language_model()
-    rows = [{"prompt": [{"role": "user", "content": "describe the image" if i % 2 else "a b"}], "image": build_image(i)}
-            for i in range(8)]
-    trainer = RLOOTrainer(model, varied_reward, args=rloo_args(tmp_path, beta=0.1, max_steps=2),
-                          train_dataset=Dataset.from_list(rows), processing_class=processor)
+    rows = [
+        {"prompt": [{"role": "user", "content": "describe the image" if i % 2 else "a b"}], "image": build_image(i)}
+        for i in range(8)
+    ]
+    trainer = RLOOTrainer(
+        model,
+        varied_reward,
+        args=rloo_args(tmp_path, beta=0.1, max_steps=2),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=processor,
+    )
     before = {n: p.clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
@@ -225,24 +285,36 @@ def test_vision_language_policy_with_images(tmp_path):
 
 def test_vision_language_logprobs_follow_greedy_generation():
     """Left padding, images and M-RoPE positions line up: each greedy token is the argmax of the scored logits."""
-    from trl_unified import compute_token_logprobs, generate_batched
-    from trl_unified.testing import build_image, build_vision_language_model
-    from trl_unified.trainers.rloo import _model_image_inputs
     from transformers import GenerationConfig
     from trl import prepare_multimodal_messages
 
+    from trl_unified import compute_token_logprobs, generate_batched
+    from trl_unified.testing import build_image, build_vision_language_model
+    from trl_unified.trainers.rloo import _model_image_inputs
+
     model, processor = build_vision_language_model()
-    prompts = [prepare_multimodal_messages([{"role": "user", "content": t}], images=[build_image(i)])
-               for i, t in enumerate(["a", "which image is larger ? a b c d"])]
-    config = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=processor.tokenizer.eos_token_id,
-                              pad_token_id=processor.tokenizer.pad_token_id)
+    prompts = [
+        prepare_multimodal_messages([{"role": "user", "content": t}], images=[build_image(i)])
+        for i, t in enumerate(["a", "which image is larger ? a b c d"])
+    ]
+    config = GenerationConfig(
+        max_new_tokens=4,
+        do_sample=False,
+        eos_token_id=processor.tokenizer.eos_token_id,
+        pad_token_id=processor.tokenizer.pad_token_id,
+    )
     out = generate_batched(model, processor, prompts, config, images=[[build_image(0)], [build_image(1)]])
-    batch = {"image_inputs": out.image_inputs, **{f"prompt_token_inputs.{k}": v for k, v in out.prompt_token_inputs.items()}}
+    batch = {
+        "image_inputs": out.image_inputs,
+        **{f"prompt_token_inputs.{k}": v for k, v in out.prompt_token_inputs.items()},
+    }
     ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
     mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
     k = out.completion_ids.size(1)
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, **_model_image_inputs(batch, k, "cpu")).logits[:, -k - 1:-1]
+        logits = model(input_ids=ids, attention_mask=mask, **_model_image_inputs(batch, k, "cpu")).logits[
+            :, -k - 1 : -1
+        ]
         logps = compute_token_logprobs(model, ids, mask, k, **_model_image_inputs(batch, k, "cpu")).logps
     assert torch.equal(logits.argmax(-1)[out.completion_mask.bool()], out.completion_ids[out.completion_mask.bool()])
     assert (logps[out.completion_mask.bool()] > -20).all()

@@ -9,6 +9,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM, TrainerCallb
 
 import trl_unified
 
+
 COMPLETION_LEN = 6
 
 
@@ -44,16 +45,29 @@ class GradRecorder(TrainerCallback):
 
 def run(module, model_path, tokenizer, tmp_path, peft, **overrides):
     kwargs = dict(
-        output_dir=str(tmp_path / module.__name__), per_device_train_batch_size=6, num_generations=3,
-        max_completion_length=COMPLETION_LEN, max_steps=3, learning_rate=1e-3, logging_steps=1, bf16=False,
-        report_to=[], save_strategy="no", gradient_checkpointing=False, seed=7,
+        output_dir=str(tmp_path / module.__name__),
+        per_device_train_batch_size=6,
+        num_generations=3,
+        max_completion_length=COMPLETION_LEN,
+        max_steps=3,
+        learning_rate=1e-3,
+        logging_steps=1,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        gradient_checkpointing=False,
+        seed=7,
     )
     kwargs.update(overrides)
     dataset = Dataset.from_dict({"prompt": ["a b c", "d e", "f g h i", "j k", "l", "m n o", "p q", "r s t u"]})
     recorder = GradRecorder()
     trainer = module.RLOOTrainer(
-        model_path, reward_funcs=[reward_len_and_a, reward_first_token], args=module.RLOOConfig(**kwargs),
-        train_dataset=dataset, processing_class=tokenizer, callbacks=[recorder],
+        model_path,
+        reward_funcs=[reward_len_and_a, reward_first_token],
+        args=module.RLOOConfig(**kwargs),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[recorder],
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if peft else None,
     )
     trainer.train()
@@ -66,7 +80,9 @@ CASES = {
     "beta0": dict(beta=0.0),
     "beta": dict(beta=0.1),
     "peft_beta": dict(beta=0.1, peft=True),
-    "num_iterations2": dict(beta=0.1, num_iterations=2, learning_rate=5e-5),  # small steps: ratios stay inside the clip
+    "num_iterations2": dict(
+        beta=0.1, num_iterations=2, learning_rate=5e-5
+    ),  # small steps: ratios stay inside the clip
     "normalize_advantages": dict(beta=0.05, normalize_advantages=True),
     "grad_accumulation": dict(beta=0.1, per_device_train_batch_size=3, gradient_accumulation_steps=2),
     "steps_per_generation": dict(beta=0.0, per_device_train_batch_size=3, steps_per_generation=2),

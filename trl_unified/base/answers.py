@@ -3,6 +3,7 @@
 import re
 from collections.abc import Callable
 
+
 _TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 
 

@@ -61,7 +61,9 @@ class PolicyConfig(TrainingArguments):
     # TRL's defaults for TrainingArguments fields (same as trl's _BaseConfig).
     logging_steps: float = field(
         default=10,
-        metadata={"help": "Log every X update steps. An integer, or a float in [0, 1) read as a ratio of total steps."},
+        metadata={
+            "help": "Log every X update steps. An integer, or a float in [0, 1) read as a ratio of total steps."
+        },
     )
     gradient_checkpointing: bool = field(
         default=True,
@@ -163,7 +165,9 @@ class PolicyConfig(TrainingArguments):
     )
     eval_max_new_tokens: int | None = field(
         default=None,
-        metadata={"help": "Tokens generated per eval prompt for generative accuracy. None uses max_completion_length."},
+        metadata={
+            "help": "Tokens generated per eval prompt for generative accuracy. None uses max_completion_length."
+        },
     )
     eval_do_sample: bool = field(
         default=False,
@@ -202,7 +206,9 @@ class PolicyConfig(TrainingArguments):
 
     def _check_generation_fields(self):
         if self.temperature <= 0:
-            raise ValueError(f"temperature={self.temperature}, but it must be > 0. Use eval_do_sample=False for greedy.")
+            raise ValueError(
+                f"temperature={self.temperature}, but it must be > 0. Use eval_do_sample=False for greedy."
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]. Use 1.0 to disable nucleus sampling.")
         if self.top_k < 0:

@@ -7,6 +7,7 @@ import torch
 from datasets import Dataset, IterableDataset
 from torch.utils.data import Sampler
 
+
 IMAGE_COLUMNS = ("image", "images")
 
 
@@ -61,7 +62,8 @@ def require_columns(dataset, required: Sequence[Sequence[str]], dataset_name: st
             wanted = " or ".join(repr(c) for c in alternatives)
             raise ValueError(
                 f"{dataset_name} has columns {names} but {trainer_name} needs a {wanted} column. "
-                f"Rename your column (dataset.rename_column(old, {alternatives[0]!r})) or map your rows to that format."
+                f"Rename your column (dataset.rename_column(old, {alternatives[0]!r})) "
+                "or map your rows to that format."
             )
 
 
@@ -97,7 +99,11 @@ class RepeatSampler(Sampler):
             self.generator.manual_seed(seed)
 
     def __iter__(self) -> Iterator[int]:
-        order = torch.randperm(self.num_samples, generator=self.generator).tolist() if self.shuffle else range(self.num_samples)
+        order = (
+            torch.randperm(self.num_samples, generator=self.generator).tolist()
+            if self.shuffle
+            else range(self.num_samples)
+        )
         order = list(order)
         chunks = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         for chunk in (c for c in chunks if len(c) == self.batch_size):
@@ -176,11 +182,24 @@ def tokenize_prompt_completion(
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     kwargs = chat_template_kwargs or {}
     if is_conversational_prompt(completion) or is_conversational_prompt(prompt):
-        prompt_ids = list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs)["input_ids"]) if prompt else []
-        full_ids = list(tokenizer.apply_chat_template(list(prompt or []) + list(completion), tokenize=True, return_dict=True, **kwargs)["input_ids"])
+        prompt_ids = (
+            list(
+                tokenizer.apply_chat_template(
+                    prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs
+                )["input_ids"]
+            )
+            if prompt
+            else []
+        )
+        full_ids = list(
+            tokenizer.apply_chat_template(
+                list(prompt or []) + list(completion), tokenize=True, return_dict=True, **kwargs
+            )["input_ids"]
+        )
         if full_ids[: len(prompt_ids)] != prompt_ids:
             raise ValueError(
-                "The chat template renders the prompt with add_generation_prompt=True differently from the start of the "
+                "The chat template renders the prompt with add_generation_prompt=True differently from the start "
+                "of the "
                 "full conversation, so the judgment's tokens cannot be separated from the prompt's. Use a chat "
                 "template whose generation prompt is a prefix of the assistant turn."
             )

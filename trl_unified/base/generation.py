@@ -139,7 +139,9 @@ def unwrap_for_generation(
         base.generation_config = generation_config
     unwrapped.eval()
     try:
-        with _gathered_parameters(model if accelerator is not None else unwrapped, accelerator, gather_deepspeed3_params):
+        with _gathered_parameters(
+            model if accelerator is not None else unwrapped, accelerator, gather_deepspeed3_params
+        ):
             yield unwrapped
     finally:
         if generation_config is not None:
@@ -159,7 +161,7 @@ def _encode_prompts(processing_class, prompts, images, chat_template_kwargs) -> 
             for p in prompts
         ]
         return [
-            {k: v for k, v in processing_class(text=[t], images=imgs or None, return_tensors="pt").items()}
+            dict(processing_class(text=[t], images=imgs or None, return_tensors="pt"))
             for t, imgs in zip(texts, images, strict=True)
         ]
     if prompts and is_conversational_prompt(prompts[0]):
@@ -266,7 +268,9 @@ def generate_batched(
     """
     tokenizer = get_tokenizer(processing_class)
     unwrapped_for_config = accelerator.unwrap_model(model) if accelerator is not None else model
-    eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else get_eos_token_ids(unwrapped_for_config, tokenizer)
+    eos_token_ids = (
+        list(eos_token_ids) if eos_token_ids is not None else get_eos_token_ids(unwrapped_for_config, tokenizer)
+    )
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
     encoded = _encode_prompts(processing_class, prompts, images, chat_template_kwargs or {})
     batch_size = batch_size or max(len(encoded), 1)
@@ -299,17 +303,33 @@ def generate_batched(
     if strip_prompt or is_encoder_decoder:
         texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
     else:
-        texts = tokenizer.batch_decode([p.tolist() + c for p, c in zip(prompt_tensors, kept)], skip_special_tokens=True)
+        texts = tokenizer.batch_decode(
+            [p.tolist() + c for p, c in zip(prompt_tensors, kept)], skip_special_tokens=True
+        )
     image_inputs, prompt_token_inputs = None, {}
     for key, value in encoded[0].items():
         if key not in ("input_ids", "attention_mask") and _is_sequence_aligned(value, encoded[0]["input_ids"]):
-            prompt_token_inputs[key] = pad([e[key].view(-1) for e in encoded], 0, "left", pad_to_multiple_of).to(device)
+            prompt_token_inputs[key] = pad([e[key].view(-1) for e in encoded], 0, "left", pad_to_multiple_of).to(
+                device
+            )
     if images is not None:
         image_inputs = [
-            {k: v for k, v in e.items() if k not in ("input_ids", "attention_mask") and isinstance(v, torch.Tensor)
-             and not _is_sequence_aligned(v, e["input_ids"])}
+            {
+                k: v
+                for k, v in e.items()
+                if k not in ("input_ids", "attention_mask")
+                and isinstance(v, torch.Tensor)
+                and not _is_sequence_aligned(v, e["input_ids"])
+            }
             for e in encoded
         ]
     return GenerationOutput(
-        prompt_ids, prompt_mask, completion_ids, completion_mask, texts, is_truncated, image_inputs, prompt_token_inputs
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        texts,
+        is_truncated,
+        image_inputs,
+        prompt_token_inputs,
     )

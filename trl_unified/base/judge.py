@@ -11,6 +11,7 @@ from .data import is_conversational_prompt
 from .generation import generate_batched, get_eos_token_ids, get_tokenizer
 from .models import from_pretrained_checked, load_model_plain
 
+
 SCORE_TEMPLATE = (
     "Rate the response to the question from {low} to {high}. question : {prompt} response : {completion} "
     "Answer with <answer> score </answer> ."
@@ -60,9 +61,19 @@ class GRMReward:
     ```
     """
 
-    def __init__(self, judge, processing_class=None, mode: str = "score", template: str | None = None,
-                 low: float = 1.0, high: float = 10.0, reference_field: str = "reference", batch_size: int = 8,
-                 max_new_tokens: int = 64, answer_extractor: str = "tags"):
+    def __init__(
+        self,
+        judge,
+        processing_class=None,
+        mode: str = "score",
+        template: str | None = None,
+        low: float = 1.0,
+        high: float = 10.0,
+        reference_field: str = "reference",
+        batch_size: int = 8,
+        max_new_tokens: int = 64,
+        answer_extractor: str = "tags",
+    ):
         if mode not in ("score", "pairwise"):
             raise ValueError(f"mode={mode!r} is not one of ['pairwise', 'score'].")
         if mode == "score" and not low < high:
@@ -72,7 +83,8 @@ class GRMReward:
             judge = load_model_plain(judge, what="judge model")
         self.judge = judge.eval().requires_grad_(False)
         self.processing_class = processing_class or from_pretrained_checked(
-            AutoTokenizer, judge.config._name_or_path, "judge tokenizer")
+            AutoTokenizer, judge.config._name_or_path, "judge tokenizer"
+        )
         tokenizer = get_tokenizer(self.processing_class)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -80,8 +92,11 @@ class GRMReward:
         self.template = template or (SCORE_TEMPLATE if mode == "score" else PAIRWISE_TEMPLATE)
         self.reference_field, self.batch_size, self.answer_extractor = reference_field, batch_size, answer_extractor
         self.generation_config = GenerationConfig(
-            max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=get_eos_token_ids(self.judge, tokenizer), disable_compile=True,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=get_eos_token_ids(self.judge, tokenizer),
+            disable_compile=True,
         )
         self.__name__ = "grm_judge"  # the name trainers log its reward under
         self.last_judgments: list[str] = []
@@ -90,10 +105,13 @@ class GRMReward:
         tokenizer = get_tokenizer(self.processing_class)
         out = []
         for prompt, completion, reference in zip(prompts, completions, references, strict=True):
-            text = self.template.format(prompt=_as_text(prompt), completion=_as_text(completion),
-                                        reference=_as_text(reference) if reference is not None else "",
-                                        low=int(self.low) if float(self.low).is_integer() else self.low,
-                                        high=int(self.high) if float(self.high).is_integer() else self.high)
+            text = self.template.format(
+                prompt=_as_text(prompt),
+                completion=_as_text(completion),
+                reference=_as_text(reference) if reference is not None else "",
+                low=int(self.low) if float(self.low).is_integer() else self.low,
+                high=int(self.high) if float(self.high).is_integer() else self.high,
+            )
             out.append([{"role": "user", "content": text}] if tokenizer.chat_template else text)
         return out
 
@@ -116,7 +134,8 @@ class GRMReward:
             raise ValueError(f"GRMReward(mode='pairwise') needs the dataset column {self.reference_field!r}.")
         references = references if references is not None else [None] * len(prompts)
         judge_prompts = self._judge_prompts(prompts, completions, references)
-        out = generate_batched(self.judge, self.processing_class, judge_prompts, self.generation_config,
-                               batch_size=self.batch_size)
+        out = generate_batched(
+            self.judge, self.processing_class, judge_prompts, self.generation_config, batch_size=self.batch_size
+        )
         self.last_judgments = out.texts
         return [self.to_reward(extract_answer(text, self.answer_extractor)) for text in out.texts]

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 # Rows per log-softmax chunk are chosen so one chunk's float32 logits stay under this many elements.
 _CHUNK_ELEMENTS = 2**25
 
@@ -64,7 +65,7 @@ def compute_token_logprobs(
     output_router_logits: bool = False,
     **forward_kwargs,
 ) -> TokenLogprobs:
-    """Log-probs of the last `logits_to_keep` tokens of `input_ids` under `model`, with logits divided by `temperature`.
+    """Log-probs of the last `logits_to_keep` tokens of `input_ids` under `model`, logits divided by `temperature`.
 
     Only the `logits_to_keep + 1` last positions are projected to the vocabulary (the model's `logits_to_keep`),
     and log-softmax is chunked (see `selective_log_softmax`). Rows are run through the model `batch_size` at a time
@@ -96,7 +97,9 @@ def compute_token_logprobs(
     for start in range(0, input_ids.size(0), batch_size):
         rows = slice(start, start + batch_size)
         kwargs = {
-            k: v[rows] if isinstance(v, torch.Tensor) and v.size(0) == input_ids.size(0) and batch_size < input_ids.size(0) else v
+            k: v[rows]
+            if isinstance(v, torch.Tensor) and v.size(0) == input_ids.size(0) and batch_size < input_ids.size(0)
+            else v
             for k, v in forward_kwargs.items()
         }
         if output_router_logits:

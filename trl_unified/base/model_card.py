@@ -6,6 +6,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from .models import model_id_of
 
+
 _TEMPLATE = """---
 {card_data}
 ---
@@ -55,8 +56,14 @@ def _versions() -> str:
 
     import trl_unified
 
-    pairs = [("trl_unified", trl_unified), ("TRL", trl), ("Transformers", transformers), ("PyTorch", torch),
-             ("Datasets", datasets), ("Accelerate", accelerate)]
+    pairs = [
+        ("trl_unified", trl_unified),
+        ("TRL", trl),
+        ("Transformers", transformers),
+        ("PyTorch", torch),
+        ("Datasets", datasets),
+        ("Accelerate", accelerate),
+    ]
     return "\n".join(f"- {name}: {module.__version__}" for name, module in pairs)
 
 

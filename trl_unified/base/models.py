@@ -16,6 +16,7 @@ from transformers import (
     ProcessorMixin,
 )
 
+
 logger = logging.getLogger(__name__)
 
 
@@ -89,9 +90,7 @@ def load_processing_class(processing_class, model, args):
                 "processing_class=AutoTokenizer.from_pretrained(<path>) explicitly."
             ) from e
     if not isinstance(processing_class, (PreTrainedTokenizerBase, ProcessorMixin)):
-        raise TypeError(
-            f"processing_class must be a tokenizer or a processor, got {type(processing_class).__name__}."
-        )
+        raise TypeError(f"processing_class must be a tokenizer or a processor, got {type(processing_class).__name__}.")
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -9,6 +9,7 @@ from accelerate.utils import is_peft_model
 
 from .models import disable_dropout, load_model
 
+
 REF_ADAPTER = "ref"
 
 

@@ -14,6 +14,7 @@ from trl import apply_chat_template, is_conversational
 
 from .models import from_pretrained_checked, load_tokenizer, model_id_of
 
+
 RewardFunc = str | PreTrainedModel | Callable[..., list[float | None]]
 
 
@@ -24,7 +25,7 @@ def _name_of(func) -> str:
 
 
 def _is_async(func) -> bool:
-    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))  # noqa: B004
 
 
 class _EventLoopThread:
@@ -57,7 +58,9 @@ class RewardFunctions:
         funcs = [self._load(f, args) if isinstance(f, str) else f for f in funcs]
         for i, f in enumerate(funcs):
             if not (callable(f) or isinstance(f, nn.Module)):
-                raise TypeError(f"reward_funcs[{i}] is a {type(f).__name__}: expected a callable, a model or a model id.")
+                raise TypeError(
+                    f"reward_funcs[{i}] is a {type(f).__name__}: expected a callable, a model or a model id."
+                )
         self.funcs, self.names = funcs, [_name_of(f) for f in funcs]
         self.processing_classes = self._processing_classes(reward_processing_classes, args, policy_tokenizer)
         if reward_weights is not None and len(reward_weights) != len(funcs):
@@ -80,10 +83,17 @@ class RewardFunctions:
         )
 
     def _processing_classes(self, classes, args, policy_tokenizer):
-        classes = list(classes) if isinstance(classes, (list, tuple)) else [classes] * len(self.funcs) if classes is not None else [None] * len(self.funcs)
+        classes = (
+            list(classes)
+            if isinstance(classes, (list, tuple))
+            else [classes] * len(self.funcs)
+            if classes is not None
+            else [None] * len(self.funcs)
+        )
         if len(classes) != len(self.funcs):
             raise ValueError(
-                f"reward_processing_classes has {len(classes)} entries but there are {len(self.funcs)} reward functions."
+                f"reward_processing_classes has {len(classes)} entries but there are {len(self.funcs)} "
+                "reward functions."
             )
         for i, (func, cls) in enumerate(zip(self.funcs, classes, strict=True)):
             if not isinstance(func, PreTrainedModel):
@@ -98,7 +108,8 @@ class RewardFunctions:
             vocab = func.get_input_embeddings().num_embeddings
             if len(cls) > vocab:
                 raise ValueError(
-                    f"The tokenizer for reward model {self.names[i]!r} has {len(cls)} tokens but the model's embedding "
+                    f"The tokenizer for reward model {self.names[i]!r} has {len(cls)} tokens "
+                    "but the model's embedding "
                     f"has {vocab} rows: they do not belong together. Pass the reward model's own tokenizer in "
                     "reward_processing_classes."
                 )
@@ -116,13 +127,17 @@ class RewardFunctions:
             ]
         else:
             texts = [p + c for p, c in zip(prompts, completions, strict=True)]
-        inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        inputs = tokenizer(
+            text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+        )
         with torch.inference_mode():
             return model(**{k: v.to(device) for k, v in inputs.items()}).logits[:, 0].float().cpu().tolist()
 
     def _check(self, name: str, values, expected: int) -> list[float]:
         if values is None or not hasattr(values, "__len__"):
-            raise TypeError(f"Reward function {name!r} returned {type(values).__name__}; it must return a list of floats.")
+            raise TypeError(
+                f"Reward function {name!r} returned {type(values).__name__}; it must return a list of floats."
+            )
         if len(values) != expected:
             raise ValueError(
                 f"Reward function {name!r} returned {len(values)} rewards for {expected} completions. Return exactly "
@@ -159,7 +174,13 @@ class RewardFunctions:
                         func, self.processing_classes[i], prompts, completions, device, chat_template_kwargs or {}
                     )
                 elif _is_async(func):
-                    pending.append((i, name, func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)))
+                    pending.append(
+                        (
+                            i,
+                            name,
+                            func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs),
+                        )
+                    )
                     continue
                 else:
                     values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
@@ -167,12 +188,15 @@ class RewardFunctions:
                 raise RuntimeError(f"Reward function {name!r} raised {e.__class__.__name__}: {e}") from e
             out[:, i] = torch.tensor(self._check(name, values, n))
         if pending:
+
             async def gather_all():
                 return await asyncio.gather(*(coro for _, _, coro in pending), return_exceptions=True)
 
             for (i, name, _), values in zip(pending, self._loop.run(gather_all()), strict=True):
                 if isinstance(values, BaseException):
-                    raise RuntimeError(f"Reward function {name!r} raised {values.__class__.__name__}: {values}") from values
+                    raise RuntimeError(
+                        f"Reward function {name!r} raised {values.__class__.__name__}: {values}"
+                    ) from values
                 out[:, i] = torch.tensor(self._check(name, values, n))
         return out.to(device)
 

@@ -29,6 +29,7 @@ from .models import (
 )
 from .reference import ReferenceModel
 
+
 logger = logging.getLogger(__name__)
 
 
@@ -75,7 +76,9 @@ class PolicyTrainerBase(Trainer):
         peft_config=None,
         generative_metrics=None,
     ):
-        args = args or self.config_class(output_dir=f"{str(model if isinstance(model, str) else model_id_of(model)).split('/')[-1]}-{self._name}")
+        args = args or self.config_class(
+            output_dir=f"{str(model if isinstance(model, str) else model_id_of(model)).split('/')[-1]}-{self._name}"
+        )
         set_seed(args.seed)  # a PEFT adapter's initialisation must be reproducible
         model = self._load_policy(model, args, quantization_config)
         processing_class = load_processing_class(processing_class, model, args)
@@ -102,7 +105,9 @@ class PolicyTrainerBase(Trainer):
         if self._online and _uses_iterable(train_dataset, eval_dataset):
             # Rows are python dicts, not tensors: each process reads its own shard instead of a dispatched batch.
             if args.accelerator_config.dispatch_batches:
-                raise ValueError("Iterable datasets need accelerator_config.dispatch_batches=False; it is set to True.")
+                raise ValueError(
+                    "Iterable datasets need accelerator_config.dispatch_batches=False; it is set to True."
+                )
             args.accelerator_config.dispatch_batches = False
         super().__init__(
             model=model,
@@ -176,7 +181,9 @@ class PolicyTrainerBase(Trainer):
     # ------------------------------------------------------------------ generation and log-probs
     def generation_config(self, do_sample: bool = True, max_new_tokens: int | None = None):
         """`GenerationConfig` from the trainer's config (sampling for training, greedy for evaluation by default)."""
-        config = build_generation_config(self.args, self.processing_class, self.eos_token_ids, do_sample, max_new_tokens)
+        config = build_generation_config(
+            self.args, self.processing_class, self.eos_token_ids, do_sample, max_new_tokens
+        )
         model_config = self.accelerator.unwrap_model(self.model).config
         placeholders = [getattr(model_config, k, None) for k in ("image_token_id", "video_token_id")]
         placeholders = [t for t in placeholders if t is not None]
@@ -185,7 +192,9 @@ class PolicyTrainerBase(Trainer):
             config.suppress_tokens = placeholders
         return config
 
-    def generate(self, prompts, images=None, do_sample: bool = True, max_new_tokens: int | None = None, batch_size=None):
+    def generate(
+        self, prompts, images=None, do_sample: bool = True, max_new_tokens: int | None = None, batch_size=None
+    ):
         """`generate_batched` with the policy, this trainer's accelerator and generation settings."""
         return generate_batched(
             self.model_wrapped if self.model_wrapped is not None else self.model,
@@ -230,7 +239,9 @@ class PolicyTrainerBase(Trainer):
                 shuffle=args.shuffle_dataset,
                 seed=args.seed,
             )
-        return RepeatSampler(dataset, mini_repeat_count=args.num_generations_eval or args.num_generations, seed=args.seed)
+        return RepeatSampler(
+            dataset, mini_repeat_count=args.num_generations_eval or args.num_generations, seed=args.seed
+        )
 
     def _get_train_sampler(self, train_dataset=None):
         if not self._online:
@@ -338,7 +349,16 @@ class PolicyTrainerBase(Trainer):
             reference = extract_answer(self.reference_answer(row), lambda s: s)
             predicted = extract_answer(text, self.args.answer_extractor)
             correct = answers_match(predicted, reference)
-            records.append(dict(index=index, prompt=prompt, generation=text, predicted=predicted, reference=reference, correct=correct))
+            records.append(
+                dict(
+                    index=index,
+                    prompt=prompt,
+                    generation=text,
+                    predicted=predicted,
+                    reference=reference,
+                    correct=correct,
+                )
+            )
         records = sorted(gather_object(records), key=lambda r: r["index"])
         if not records:
             return {}
@@ -350,7 +370,9 @@ class PolicyTrainerBase(Trainer):
             f"{metric_key_prefix}_answer_parse_rate": sum(p is not None for p in predictions) / len(predictions),
         }
         for metric in self.generative_metrics:
-            result = metric.compute(predictions=[p or "" for p in predictions], references=[r or "" for r in references])
+            result = metric.compute(
+                predictions=[p or "" for p in predictions], references=[r or "" for r in references]
+            )
             metrics.update({f"{metric_key_prefix}_{k}": v for k, v in result.items() if isinstance(v, (int, float))})
         if self.accelerator.is_main_process:
             self._write_records(records, metric_key_prefix)
@@ -386,7 +408,8 @@ class PolicyTrainerBase(Trainer):
                 writer = getattr(callback, "tb_writer", None)
                 if writer is not None:
                     text = "\n\n".join(
-                        f"**{r['index']}** correct={r['correct']} predicted={r['predicted']!r} reference={r['reference']!r}\n\n{r['generation']}"
+                        f"**{r['index']}** correct={r['correct']} predicted={r['predicted']!r} "
+                        f"reference={r['reference']!r}\n\n{r['generation']}"
                         for r in sample
                     )
                     writer.add_text(f"{prefix}_samples", text, self.state.global_step)
@@ -438,7 +461,9 @@ class PolicyTrainerBase(Trainer):
 
     def _load_rng_state(self, checkpoint):
         super()._load_rng_state(checkpoint)
-        path = os.path.join(checkpoint, f"trl_unified_state_{self.accelerator.process_index}.pt") if checkpoint else None
+        path = (
+            os.path.join(checkpoint, f"trl_unified_state_{self.accelerator.process_index}.pt") if checkpoint else None
+        )
         if self._online and path and os.path.exists(path):
             state = torch.load(path, weights_only=False)
             self._step, self._buffer = state["step"], state["buffer"]

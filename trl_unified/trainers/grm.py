@@ -21,7 +21,14 @@ from trl import prepare_multimodal_messages
 
 from ..base.answers import extract_answer
 from ..base.config import PolicyConfig, document_fields
-from ..base.data import column_names, get_images, is_conversational_prompt, pad, split_prompt_completion, tokenize_prompt_completion
+from ..base.data import (
+    column_names,
+    get_images,
+    is_conversational_prompt,
+    pad,
+    split_prompt_completion,
+    tokenize_prompt_completion,
+)
 from ..base.papers import PAPERS
 from ..base.trainer import PolicyTrainerBase
 
@@ -45,24 +52,34 @@ class GRMConfig(PolicyConfig):
     )
     truncation_mode: str = field(
         default="keep_start",
-        metadata={"help": "'keep_start' drops the end of a too-long row, 'keep_end' its beginning (the prompt's start)."},
+        metadata={
+            "help": "'keep_start' drops the end of a too-long row, 'keep_end' its beginning (the prompt's start)."
+        },
     )
     completion_only_loss: bool | None = field(
         default=None,
-        metadata={"help": "Loss on the judgment only (prompt masked). None: True for prompt/completion and messages rows."},
+        metadata={
+            "help": "Loss on the judgment only (prompt masked). None: True for prompt/completion and messages rows."
+        },
     )
     assistant_only_loss: bool = field(
         default=False,
-        metadata={"help": "For 'messages' rows: loss on every assistant turn (needs {% generation %} in the chat template)."},
+        metadata={
+            "help": "For 'messages' rows: loss on every assistant turn (needs {% generation %} in the chat template)."
+        },
     )
-    dataset_text_field: str = field(default="text", metadata={"help": "Column of plain-text rows (no prompt: loss on all)."})
+    dataset_text_field: str = field(
+        default="text", metadata={"help": "Column of plain-text rows (no prompt: loss on all)."}
+    )
     dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes used to tokenise the dataset."})
     eos_token: str | None = field(
         default=None, metadata={"help": "Token appended to standard completions. None uses the tokenizer's EOS."}
     )
     packing: bool = field(default=False, metadata={"help": "Pack rows into max_length blocks (not implemented)."})
     padding_free: bool = field(default=False, metadata={"help": "Flatten batches without padding (not implemented)."})
-    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad each batch's length to a multiple of this."})
+    pad_to_multiple_of: int | None = field(
+        default=None, metadata={"help": "Pad each batch's length to a multiple of this."}
+    )
     loss_type: str = field(default="nll", metadata={"help": "Loss: 'nll' (negative log-likelihood of the judgment)."})
 
     def __post_init__(self):
@@ -81,19 +98,45 @@ class GRMTrainer(PolicyTrainerBase):
     _paper = PAPERS["grm"]
     config_class = GRMConfig
 
-    def __init__(self, model, args: GRMConfig | None = None, data_collator=None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, compute_loss_func=None, compute_metrics=None, callbacks=None,
-                 optimizers=(None, None), optimizer_cls_and_kwargs=None, preprocess_logits_for_metrics=None,
-                 quantization_config=None, peft_config=None, formatting_func=None):
-        for name, value in (("compute_loss_func", compute_loss_func), ("optimizer_cls_and_kwargs", optimizer_cls_and_kwargs)):
+    def __init__(
+        self,
+        model,
+        args: GRMConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_loss_func=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        optimizer_cls_and_kwargs=None,
+        preprocess_logits_for_metrics=None,
+        quantization_config=None,
+        peft_config=None,
+        formatting_func=None,
+    ):
+        for name, value in (
+            ("compute_loss_func", compute_loss_func),
+            ("optimizer_cls_and_kwargs", optimizer_cls_and_kwargs),
+        ):
             if value is not None:
                 raise NotImplementedError(f"{name} is not supported by GRMTrainer: the loss is the judgment NLL.")
         self.formatting_func = formatting_func
-        super().__init__(model, args, data_collator=data_collator, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
-                         optimizers=optimizers, compute_metrics=compute_metrics,
-                         preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-                         quantization_config=quantization_config, peft_config=peft_config)
+        super().__init__(
+            model,
+            args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            compute_metrics=compute_metrics,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+        )
         self.loss_is_scaled_for_ga = True  # divided by num_items_in_batch, the judgment tokens of the whole step
         self.model_accepts_loss_kwargs = True  # so the Trainer counts num_items_in_batch from the labels
 
@@ -109,22 +152,36 @@ class GRMTrainer(PolicyTrainerBase):
             columns = column_names(dataset) or []
         if len(dataset) == 0 if hasattr(dataset, "__len__") else False:
             raise ValueError(f"{name} dataset is empty: GRMTrainer needs at least one row.")
-        if not ({"prompt", "completion"} <= set(columns) or "messages" in columns or args.dataset_text_field in columns):
+        if not (
+            {"prompt", "completion"} <= set(columns) or "messages" in columns or args.dataset_text_field in columns
+        ):
             raise ValueError(
                 f"{name} dataset has columns {columns}, but GRMTrainer needs the judgment: 'prompt' + 'completion' "
-                f"(the judgment), 'messages' (the judgment as the last assistant turn), or {args.dataset_text_field!r}."
+                "(the judgment), 'messages' (the judgment as the last assistant turn), "
+                f"or {args.dataset_text_field!r}."
             )
         if any(c in columns for c in ("image", "images")):
             return dataset  # vision-language rows are tokenised with their images in the collator
         return dataset.map(
-            _tokenize_row, fn_kwargs={"processing_class": processing_class, "args": args},
-            num_proc=args.dataset_num_proc, with_indices=True, desc=f"Tokenizing {name} dataset",
+            _tokenize_row,
+            fn_kwargs={"processing_class": processing_class, "args": args},
+            num_proc=args.dataset_num_proc,
+            with_indices=True,
+            desc=f"Tokenizing {name} dataset",
         )
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
-            self._signature_columns = ["input_ids", "completion_mask", "prompt", "completion", "messages", "image",
-                                       "images", self.args.dataset_text_field]
+            self._signature_columns = [
+                "input_ids",
+                "completion_mask",
+                "prompt",
+                "completion",
+                "messages",
+                "image",
+                "images",
+                self.args.dataset_text_field,
+            ]
 
     def make_data_collator(self, processing_class, args):
         return _GRMCollator(processing_class, args)
@@ -134,8 +191,9 @@ class GRMTrainer(PolicyTrainerBase):
         labels = inputs["labels"]
         outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
         logits, targets = outputs.logits[:, :-1, :], labels[:, 1:]  # (B, T-1, V), (B, T-1): position t predicts t+1
-        nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100,
-                              reduction="sum")
+        nll = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100, reduction="sum"
+        )
         mask = targets != -100
         if num_items_in_batch is None:  # evaluation: mean over this batch's judgment tokens
             loss = nll / mask.sum().clamp(min=1)
@@ -172,15 +230,23 @@ def _tokenize_row(row: dict[str, Any], index: int, processing_class, args) -> di
     prompt, completion = split_prompt_completion(row, args.dataset_text_field)
     if args.assistant_only_loss and row.get("messages"):
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        out = tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True, **(args.chat_template_kwargs or {}))
+        out = tokenizer.apply_chat_template(
+            row["messages"],
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            **(args.chat_template_kwargs or {}),
+        )
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
         if not any(mask):
-            raise ValueError("assistant_only_loss=True but the chat template marks no assistant tokens: it needs "
-                             "{% generation %} ... {% endgeneration %} around assistant turns.")
+            raise ValueError(
+                "assistant_only_loss=True but the chat template marks no assistant tokens: it needs "
+                "{% generation %} ... {% endgeneration %} around assistant turns."
+            )
     else:
-        prompt_ids, completion_ids = tokenize_prompt_completion(processing_class, prompt, completion,
-                                                                args.chat_template_kwargs, args.eos_token)
+        prompt_ids, completion_ids = tokenize_prompt_completion(
+            processing_class, prompt, completion, args.chat_template_kwargs, args.eos_token
+        )
         only_completion = args.completion_only_loss is not False and bool(prompt_ids)
         ids = prompt_ids + completion_ids
         mask = [0 if only_completion else 1] * len(prompt_ids) + [1] * len(completion_ids)
@@ -210,8 +276,11 @@ class _GRMCollator:
             input_ids = pad(ids, self.tokenizer.pad_token_id, "right", self.args.pad_to_multiple_of)
             attention_mask = pad([torch.ones_like(t) for t in ids], 0, "right", self.args.pad_to_multiple_of)
             loss_mask = pad(masks, 0, "right", self.args.pad_to_multiple_of)
-            return {"input_ids": input_ids, "attention_mask": attention_mask,
-                    "labels": input_ids.masked_fill(loss_mask == 0, -100)}
+            return {
+                "input_ids": input_ids,
+                "attention_mask": attention_mask,
+                "labels": input_ids.masked_fill(loss_mask == 0, -100),
+            }
         return self._collate_multimodal(rows)
 
     def _collate_multimodal(self, rows):
@@ -224,17 +293,25 @@ class _GRMCollator:
             row_images = get_images(row) or []
             prompt = prepare_multimodal_messages(prompt, images=row_images)
             completion = prepare_multimodal_messages(completion, images=[])
-            prompt_texts.append(self.processing_class.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **kwargs))
+            prompt_texts.append(
+                self.processing_class.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **kwargs)
+            )
             full_texts.append(self.processing_class.apply_chat_template(prompt + completion, tokenize=False, **kwargs))
             if not full_texts[-1].startswith(prompt_texts[-1]):
                 raise ValueError("The chat template's generation prompt is not a prefix of the assistant turn.")
             images.append(row_images)
-        batch = self.processing_class(text=full_texts, images=images, padding=True, padding_side="right", return_tensors="pt")
+        batch = self.processing_class(
+            text=full_texts, images=images, padding=True, padding_side="right", return_tensors="pt"
+        )
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
         for i, (text, row_images) in enumerate(zip(prompt_texts, images, strict=True)):
-            prompt_len = self.processing_class(text=[text], images=[row_images], return_tensors="pt")["input_ids"].size(1)
+            prompt_len = self.processing_class(text=[text], images=[row_images], return_tensors="pt")[
+                "input_ids"
+            ].size(1)
             labels[i, :prompt_len] = -100
         if self.args.max_length is not None and batch["input_ids"].size(1) > self.args.max_length:
-            raise ValueError(f"A vision-language row has {batch['input_ids'].size(1)} tokens, more than max_length="
-                             f"{self.args.max_length}; image tokens cannot be truncated. Increase max_length.")
+            raise ValueError(
+                f"A vision-language row has {batch['input_ids'].size(1)} tokens, more than max_length="
+                f"{self.args.max_length}; image tokens cannot be truncated. Increase max_length."
+            )
         return {**batch, "labels": labels}

@@ -34,6 +34,7 @@ from ..base.reference import prepare_frozen_model
 from ..base.rewards import RewardFunctions
 from ..base.trainer import PolicyTrainerBase
 
+
 _VLLM = "vLLM generation is not implemented yet; trl_unified generates with transformers' generate."
 
 
@@ -76,23 +77,46 @@ class RLOOConfig(PolicyConfig):
     """Configuration of `RLOOTrainer`: every field of `trl.RLOOConfig` 1.16, same names and defaults."""
 
     _unimplemented_fields = {
-        **{name: _VLLM for name in ("use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode",
-                                    "vllm_structured_outputs_regex", "vllm_server_base_url", "vllm_server_host",
-                                    "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
-                                    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size")},
-        **{name: "Continuous batching is not implemented; generation uses batched generate()."
-           for name in ("use_transformers_continuous_batching", "transformers_continuous_batching_config",
-                        "use_transformers_paged")},
+        **dict.fromkeys(
+            (
+                "use_vllm",
+                "vllm_mode",
+                "vllm_model_impl",
+                "vllm_enable_sleep_mode",
+                "vllm_structured_outputs_regex",
+                "vllm_server_base_url",
+                "vllm_server_host",
+                "vllm_server_port",
+                "vllm_server_timeout",
+                "vllm_group_port",
+                "vllm_gpu_memory_utilization",
+                "vllm_max_model_length",
+                "vllm_tensor_parallel_size",
+            ),
+            _VLLM,
+        ),
+        **dict.fromkeys(
+            (
+                "use_transformers_continuous_batching",
+                "transformers_continuous_batching_config",
+                "use_transformers_paged",
+            ),
+            "Continuous batching is not implemented; generation uses batched generate().",
+        ),
     }
 
     learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
     remove_unused_columns: bool | None = field(
         default=False, metadata={"help": "Keep every dataset column: extra columns reach the reward functions."}
     )
-    max_completion_length: int | None = field(default=512, metadata={"help": "Maximum length of the generated completion."})
+    max_completion_length: int | None = field(
+        default=512, metadata={"help": "Maximum length of the generated completion."}
+    )
     router_aux_loss_coef: float | None = field(
         default=None,
-        metadata={"help": "Weight of the MoE load-balancing loss; None uses the model config's value, 0.0 disables it."},
+        metadata={
+            "help": "Weight of the MoE load-balancing loss; None uses the model config's value, 0.0 disables it."
+        },
     )
     num_generations: int | None = field(default=2, metadata={"help": "Completions sampled per prompt (G >= 2)."})
     num_generations_eval: int | None = field(
@@ -109,28 +133,33 @@ class RLOOConfig(PolicyConfig):
     )
     generation_batch_size: int | None = field(
         default=None,
-        metadata={"help": "Completions per generation round, all processes. None: per_device_train_batch_size * "
-                  "num_processes * steps_per_generation."},
+        metadata={
+            "help": "Completions per generation round, all processes. None: per_device_train_batch_size * "
+            "num_processes * steps_per_generation."
+        },
     )
     steps_per_generation: int | None = field(
-        default=None, metadata={"help": "Micro-steps served by one generation round. None uses gradient_accumulation_steps."}
+        default=None,
+        metadata={"help": "Micro-steps served by one generation round. None uses gradient_accumulation_steps."},
     )
     use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM (not implemented: must stay False)."})
     vllm_mode: str = field(default="colocate", metadata={"help": "vLLM mode (not implemented)."})
     vllm_model_impl: str = field(default="vllm", metadata={"help": "vLLM model implementation (not implemented)."})
     vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "vLLM sleep mode (not implemented)."})
-    vllm_structured_outputs_regex: str | None = field(default=None, metadata={"help": "vLLM structured outputs (not implemented)."})
+    vllm_structured_outputs_regex: str | None = field(
+        default=None, metadata={"help": "vLLM structured outputs (not implemented)."}
+    )
     vllm_server_base_url: str | None = field(default=None, metadata={"help": "vLLM server URL (not implemented)."})
     vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host (not implemented)."})
     vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port (not implemented)."})
     vllm_server_timeout: float = field(default=240.0, metadata={"help": "vLLM server timeout (not implemented)."})
     vllm_group_port: int = field(default=51216, metadata={"help": "vLLM weight-update port (not implemented)."})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "vLLM memory share (not implemented)."})
-    vllm_max_model_length: int | None = field(default=None, metadata={"help": "vLLM context window (not implemented)."})
-    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallelism (not implemented)."})
-    beta: float = field(
-        default=0.05, metadata={"help": "KL coefficient β. If 0.0, no reference model is loaded."}
+    vllm_max_model_length: int | None = field(
+        default=None, metadata={"help": "vLLM context window (not implemented)."}
     )
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallelism (not implemented)."})
+    beta: float = field(default=0.05, metadata={"help": "KL coefficient β. If 0.0, no reference model is loaded."})
     num_iterations: int = field(default=1, metadata={"help": "Optimisation passes over each generation batch (μ)."})
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range of the probability ratio."})
     epsilon_high: float | None = field(
@@ -146,13 +175,16 @@ class RLOOConfig(PolicyConfig):
         default=None, metadata={"help": "Clip rewards to (min, max) before the KL penalty. None: no clipping."}
     )
     mask_truncated_completions: bool = field(
-        default=False, metadata={"help": "Exclude completions that hit max_completion_length without EOS from the loss."}
+        default=False,
+        metadata={"help": "Exclude completions that hit max_completion_length without EOS from the loss."},
     )
     sync_ref_model: bool = field(
         default=False, metadata={"help": "Every ref_model_sync_steps, set π_ref = α π_θ + (1 - α) π_ref (TR-DPO)."}
     )
     ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "α of the reference-model sync (TR-DPO)."})
-    ref_model_sync_steps: int = field(default=512, metadata={"help": "τ, steps between reference-model syncs (TR-DPO)."})
+    ref_model_sync_steps: int = field(
+        default=512, metadata={"help": "τ, steps between reference-model syncs (TR-DPO)."}
+    )
     log_completions: bool = field(
         default=False, metadata={"help": "Print (and send to W&B) a sample of completions at every logging step."}
     )
@@ -174,9 +206,17 @@ class RLOOConfig(PolicyConfig):
         if isinstance(self.pad_to_multiple_of, str):
             auto = self.pad_to_multiple_of == "auto"
             lowered = self.pad_to_multiple_of.lower()
-            self.pad_to_multiple_of = (128 if self.device.type == "neuron" else None) if auto else None if lowered in ("none", "null") else int(lowered)
+            self.pad_to_multiple_of = (
+                (128 if self.device.type == "neuron" else None)
+                if auto
+                else None
+                if lowered in ("none", "null")
+                else int(lowered)
+            )
         if self.auto_find_batch_size:
-            raise ValueError("auto_find_batch_size=True would break prompt groups of num_generations. Set it to False.")
+            raise ValueError(
+                "auto_find_batch_size=True would break prompt groups of num_generations. Set it to False."
+            )
         world, per_device = self.world_size, self.per_device_train_batch_size
         if self.generation_batch_size is not None and self.steps_per_generation is not None:
             raise ValueError("Set generation_batch_size or steps_per_generation, not both.")
@@ -210,7 +250,9 @@ class RLOOConfig(PolicyConfig):
             raise ValueError(f"num_iterations={self.num_iterations} must be >= 1.")
         if self.beta < 0:
             raise ValueError(f"beta={self.beta} must be >= 0 (0 disables the KL penalty and the reference model).")
-        if self.reward_clip_range is not None and (len(self.reward_clip_range) != 2 or self.reward_clip_range[0] > self.reward_clip_range[1]):
+        if self.reward_clip_range is not None and (
+            len(self.reward_clip_range) != 2 or self.reward_clip_range[0] > self.reward_clip_range[1]
+        ):
             raise ValueError(f"reward_clip_range={self.reward_clip_range} must be (min, max) with min <= max.")
         if self.sync_ref_model and self.beta == 0:
             raise ValueError("sync_ref_model=True but beta=0.0: there is no reference model to sync. Set beta > 0.")
@@ -225,12 +267,33 @@ class RLOOTrainer(PolicyTrainerBase):
     _online = True
     config_class = RLOOConfig
 
-    def __init__(self, model, reward_funcs, args: RLOOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
-                 quantization_config=None, peft_config=None, ref_model=None):
-        super().__init__(model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, ref_model=ref_model, callbacks=callbacks,
-                         optimizers=optimizers, quantization_config=quantization_config, peft_config=peft_config)
+    def __init__(
+        self,
+        model,
+        reward_funcs,
+        args: RLOOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        ref_model=None,
+    ):
+        super().__init__(
+            model,
+            args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            ref_model=ref_model,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+        )
         self.rewards = RewardFunctions(reward_funcs, reward_processing_classes, self.args.reward_weights, self.args)
         for i, reward_model in self.rewards.models():
             self.rewards.funcs[i] = prepare_frozen_model(reward_model.requires_grad_(False), self.accelerator)
@@ -245,7 +308,9 @@ class RLOOTrainer(PolicyTrainerBase):
         self._pending_extra: dict[str, list] = defaultdict(list)
         if self.args.sync_ref_model:
             if self.reference.kind != "copy":
-                raise NotImplementedError("sync_ref_model=True needs a separate reference model; it is not supported with PEFT.")
+                raise NotImplementedError(
+                    "sync_ref_model=True needs a separate reference model; it is not supported with PEFT."
+                )
             self.add_callback(SyncRefModelCallback(ref_model=self.reference.model, accelerator=self.accelerator))
 
     def prepare_dataset(self, dataset, processing_class, args, name):
@@ -275,7 +340,9 @@ class RLOOTrainer(PolicyTrainerBase):
         images = images if any(i is not None for i in images) else None
         if images is not None:
             if not is_conversational(rows[0]):
-                raise ValueError("Rows with images need conversational prompts (lists of messages), not plain strings.")
+                raise ValueError(
+                    "Rows with images need conversational prompts (lists of messages), not plain strings."
+                )
             prompts = [prepare_multimodal_messages(p, images=i or []) for p, i in zip(prompts, images, strict=True)]
         out = self.generate(prompts, images=images)
         completion_mask = out.completion_mask
@@ -284,11 +351,18 @@ class RLOOTrainer(PolicyTrainerBase):
         conversational = is_conversational({"prompt": prompts[0]})
         completions = [[{"role": "assistant", "content": t}] for t in out.texts] if conversational else out.texts
         self._log_generation_metrics(mode, out)
-        batch = {"prompt_ids": out.prompt_ids, "prompt_mask": out.prompt_mask,
-                 "completion_ids": out.completion_ids, "completion_mask": completion_mask}
+        batch = {
+            "prompt_ids": out.prompt_ids,
+            "prompt_mask": out.prompt_mask,
+            "completion_ids": out.completion_ids,
+            "completion_mask": completion_mask,
+        }
         input_ids = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
         attention_mask = torch.cat([out.prompt_mask, completion_mask], dim=1)
-        k, chunk = out.completion_ids.size(1), args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size
+        k, chunk = (
+            out.completion_ids.size(1),
+            args.per_device_train_batch_size if mode == "train" else args.per_device_eval_batch_size,
+        )
         image_kwargs = {}
         if out.image_inputs is not None:  # kept per row so shuffling and splitting keep rows and images together
             batch["image_inputs"] = out.image_inputs
@@ -297,19 +371,32 @@ class RLOOTrainer(PolicyTrainerBase):
         old_tok = ref_tok = None
         with torch.no_grad():
             if not self._reuses_policy_logps or mode == "eval":
-                old_tok = self.token_logprobs(self.model, input_ids, attention_mask, k, batch_size=chunk, **image_kwargs).logps
+                old_tok = self.token_logprobs(
+                    self.model, input_ids, attention_mask, k, batch_size=chunk, **image_kwargs
+                ).logps
                 batch["old_logps"] = (old_tok * completion_mask).sum(1)
             if self.reference.available:
                 ref_tok = self.reference_logprobs(input_ids, attention_mask, k, batch_size=chunk, **image_kwargs)
-        extra = {key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")}
+        extra = {
+            key: [row[key] for row in rows] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")
+        }
         try:
             local_rewards = self.rewards(
-                prompts, completions, out.completion_ids_list, extra, device, args.chat_template_kwargs,
-                trainer_state=self.state, log_metric=self.log_metric, log_extra=self._log_extra,
+                prompts,
+                completions,
+                out.completion_ids_list,
+                extra,
+                device,
+                args.chat_template_kwargs,
+                trainer_state=self.state,
+                log_metric=self.log_metric,
+                log_extra=self._log_extra,
             )
         except (RuntimeError, ValueError, TypeError) as e:
-            raise type(e)(f"{e} [at global step {self.state.global_step}, on the batch whose first prompt is "
-                          f"{prompts[0]!r}; the last saved checkpoint is untouched]") from e
+            raise type(e)(
+                f"{e} [at global step {self.state.global_step}, on the batch whose first prompt is "
+                f"{prompts[0]!r}; the last saved checkpoint is untouched]"
+            ) from e
         rewards_per_func = gather(local_rewards)
         rewards = self.rewards.combine(rewards_per_func)  # (N_global,)
         if torch.isnan(rewards).all():
@@ -320,20 +407,24 @@ class RLOOTrainer(PolicyTrainerBase):
             )
         self._log_reward_metrics(mode, rewards_per_func, rewards)
         # Every process must join each gather: agree on the column names first (a column may be logged on one rank).
-        names = sorted(set(gather_object(list(self._pending_extra)))) if self.accelerator.num_processes > 1 else sorted(self._pending_extra)
+        names = (
+            sorted(set(gather_object(list(self._pending_extra))))
+            if self.accelerator.num_processes > 1
+            else sorted(self._pending_extra)
+        )
         extra_columns = {name: gather_object(self._pending_extra.get(name, [None] * len(rows))) for name in names}
         self._pending_extra.clear()
         extras = [{k: v[i] for k, v in extra_columns.items() if i < len(v)} for i in range(rewards.numel())]
         self._completions_log.extend(zip(gather_object(prompts), gather_object(completions), rewards.tolist(), extras))
         n, rank = len(rows), self.accelerator.process_index
         if old_tok is None:  # advantages are computed in the loss, from the same forward
-            batch["rewards"] = rewards[rank * n:(rank + 1) * n]
+            batch["rewards"] = rewards[rank * n : (rank + 1) * n]
             batch["row_index"] = torch.arange(rank * n, (rank + 1) * n, device=device)
             if ref_tok is not None:
                 batch["ref_per_token_logps"] = ref_tok
         else:
             kl = gather(self._sequence_kl(old_tok, ref_tok, completion_mask)) if ref_tok is not None else None
-            batch["advantages"] = self._advantages(rewards, kl, mode)[rank * n:(rank + 1) * n]
+            batch["advantages"] = self._advantages(rewards, kl, mode)[rank * n : (rank + 1) * n]
         return batch
 
     def _log_extra(self, column: str, values: list) -> None:
@@ -357,7 +448,9 @@ class RLOOTrainer(PolicyTrainerBase):
             rewards = rewards - args.beta * kl
         g = args.num_generations if mode == "train" else (args.num_generations_eval or args.num_generations)
         group_std = nanstd(rewards.view(-1, g), dim=1)
-        self.log_metric("frac_reward_zero_std", torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item())
+        self.log_metric(
+            "frac_reward_zero_std", torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item()
+        )
         advantages = rloo_advantages(rewards, g) if g > 1 else torch.zeros_like(rewards)
         if args.normalize_advantages:
             advantages = (advantages - torch.nanmean(advantages)) / (nanstd(advantages) + 1e-4)
@@ -368,24 +461,43 @@ class RLOOTrainer(PolicyTrainerBase):
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], mask], dim=1)
         image_kwargs = _model_image_inputs(inputs, mask.size(1), mask.device) if "image_inputs" in inputs else {}
-        out = self.token_logprobs(model, input_ids, attention_mask, mask.size(1), compute_entropy=True,
-                                  output_router_logits=self.aux_loss_enabled, **image_kwargs)
+        out = self.token_logprobs(
+            model,
+            input_ids,
+            attention_mask,
+            mask.size(1),
+            compute_entropy=True,
+            output_router_logits=self.aux_loss_enabled,
+            **image_kwargs,
+        )
         logps = (out.logps * mask).sum(1)  # (B,); padding and post-EOS tokens masked
         old_logps = inputs["old_logps"] if "old_logps" in inputs else logps.detach()
-        advantages = inputs["advantages"] if "advantages" in inputs else self._deferred_advantages(inputs, out.logps.detach())
+        advantages = (
+            inputs["advantages"] if "advantages" in inputs else self._deferred_advantages(inputs, out.logps.detach())
+        )
         assert logps.shape == advantages.shape, (logps.shape, advantages.shape)
         ratio = torch.exp(logps - old_logps)  # (B,)
-        low, high = 1 - self.args.epsilon, 1 + (self.args.epsilon_high if self.args.epsilon_high is not None else self.args.epsilon)
+        low, high = (
+            1 - self.args.epsilon,
+            1 + (self.args.epsilon_high if self.args.epsilon_high is not None else self.args.epsilon),
+        )
         loss = -torch.min(ratio * advantages, ratio.clamp(low, high) * advantages).mean()
         if self.aux_loss_enabled and out.aux_loss is not None:
             loss = loss + self.aux_coef * out.aux_loss
             self.log_metric("aux_loss", out.aux_loss.item())
-        entropy = self.accelerator.reduce(torch.stack([(out.entropy * mask).sum(), mask.sum().float()]), reduction="sum")
+        entropy = self.accelerator.reduce(
+            torch.stack([(out.entropy * mask).sum(), mask.sum().float()]), reduction="sum"
+        )
         self.log_metric("entropy", (entropy[0] / entropy[1].clamp(min=1.0)).item())
         low_clip = gather(((ratio < low) & (advantages < 0)).float())
         high_clip = gather(((ratio > high) & (advantages > 0)).float())
-        for name, value in (("low_mean", low_clip.mean()), ("low_min", low_clip.min()), ("high_mean", high_clip.mean()),
-                            ("high_max", high_clip.max()), ("region_mean", (low_clip + high_clip).clamp(max=1).mean())):
+        for name, value in (
+            ("low_mean", low_clip.mean()),
+            ("low_min", low_clip.min()),
+            ("high_mean", high_clip.mean()),
+            ("high_max", high_clip.max()),
+            ("region_mean", (low_clip + high_clip).clamp(max=1).mean()),
+        ):
             self.log_metric(f"clip_ratio/{name}", value.item())
         return loss
 
@@ -431,7 +543,9 @@ class RLOOTrainer(PolicyTrainerBase):
             rows = rows[: self.args.num_completions_to_print or len(rows)]
             for prompt, completion, reward, extra in rows:
                 extra_text = "".join(f"\n  {k}: {v}" for k, v in extra.items())
-                print(f"[step {self.state.global_step}] reward={reward:.3f}\n  prompt: {prompt}\n  completion: {completion}{extra_text}")
+                print(
+                    f"[step {self.state.global_step}] reward={reward:.3f}\n  prompt: {prompt}\n  completion: {completion}{extra_text}"
+                )
             self._log_completions_table(rows)
             self._completions_log.clear()  # each sample is shown once
         super().log(logs, start_time)
@@ -443,5 +557,8 @@ class RLOOTrainer(PolicyTrainerBase):
 
             if wandb.run is not None:
                 columns = ["step", "prompt", "completion", "reward", *sorted({k for *_, e in rows for k in e})]
-                data = [[self.state.global_step, str(p), str(c), r, *[e.get(k) for k in columns[4:]]] for p, c, r, e in rows]
+                data = [
+                    [self.state.global_step, str(p), str(c), r, *[e.get(k) for k in columns[4:]]]
+                    for p, c, r, e in rows
+                ]
                 wandb.log({"completions": wandb.Table(columns=columns, data=data)})
