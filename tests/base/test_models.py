@@ -8,6 +8,7 @@ from peft import LoraConfig, PeftModel
 
 from tests.helpers import prompt_dataset, rloo_args, varied_reward
 from trl_unified import GRMConfig, GRMTrainer, RLOOTrainer
+from trl_unified.testing import build_causal_lm, save_tiny_model
 
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
@@ -86,9 +87,18 @@ def _bitsandbytes_cpu():
         return False
 
 
+@pytest.fixture(scope="module")
+def llama64_path(tmp_path_factory, tokenizer):
+    """A Llama whose linear layers are multiples of 64 wide: shapes bitsandbytes' 4-bit kernels take on every CPU."""
+    path = str(tmp_path_factory.mktemp("llama64") / "llama64")
+    return save_tiny_model(build_causal_lm(tokenizer, "llama", hidden_size=64), tokenizer, path)
+
+
 @pytest.mark.skipif(not _bitsandbytes_cpu(), reason="bitsandbytes is not installed (the 'quantization' extra)")
-def test_qlora_policy_trains_and_saves_an_adapter(llama_path, tmp_path):
+def test_qlora_policy_trains_and_saves_an_adapter(llama64_path, tmp_path):
     from transformers import BitsAndBytesConfig
+
+    llama_path = llama64_path
 
     quantization = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
@@ -144,3 +154,29 @@ def test_trust_remote_code_is_off_unless_asked(llama_path, tmp_path, monkeypatch
         llama_path, varied_reward, args=rloo_args(tmp_path, trust_remote_code=True), train_dataset=prompt_dataset()
     )
     assert seen == [False, True]
+
+
+@pytest.mark.skipif(not _bitsandbytes_cpu(), reason="bitsandbytes is not installed (the 'quantization' extra)")
+def test_4bit_layers_keep_their_gradient_after_generation_on_every_cpu(llama_path, tmp_path):
+    """bitsandbytes repacks 4-bit weights for an inference kernel without backward at the first no-grad eval forward
+    on AVX-512 BF16 CPUs; the trainer must keep the layers differentiable (and 32-wide layers must not crash)."""
+    import bitsandbytes as bnb
+    from transformers import BitsAndBytesConfig
+
+    trainer = RLOOTrainer(
+        llama_path,  # 32-wide layers: shapes the repacked kernel cannot take
+        varied_reward,
+        args=rloo_args(tmp_path, model_init_kwargs={"device_map": "cpu"}),
+        train_dataset=prompt_dataset(),
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32),
+        peft_config=LoraConfig(**LORA),
+    )
+    layer = next(m for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear4bit))
+    assert layer.support_avx512bf16_for_cpu is False
+    layer.eval()
+    with torch.no_grad():  # what generation does
+        layer(torch.randn(2, layer.in_features))
+    layer.train()
+    x = torch.randn(2, layer.in_features, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0

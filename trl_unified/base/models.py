@@ -103,12 +103,41 @@ def is_quantized(model) -> bool:
     return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
 
 
+def keep_4bit_layers_trainable_on_cpu(model) -> int:
+    """Turn off bitsandbytes' inference-only repacking of 4-bit weights on CPUs with AVX-512 BF16.
+
+    On such CPUs, bitsandbytes (0.50) repacks a `Linear4bit` weight into a CPU inference layout at its first no-grad
+    eval-mode forward (here: every generation and reference forward), and from then on runs the layer with a kernel
+    that has no backward: the gradient to everything before the layer is silently zero (QLoRA stops learning), and
+    layers whose `in_features` is not a multiple of 64 or `out_features` of 32 fail with a reshape error instead.
+    A trainer needs the layers differentiable, so the repacking is switched off (the dequantising path runs). Returns
+    the number of layers changed (0 on other CPUs, on GPUs, and for unquantised models).
+    """
+    if not getattr(model, "is_loaded_in_4bit", False):
+        return 0
+    import bitsandbytes as bnb
+
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit) and getattr(module, "support_avx512bf16_for_cpu", False):
+            if getattr(module.weight.quant_state, "packing_format_for_cpu", False):
+                raise ValueError(
+                    "A 4-bit layer of the model was already repacked for bitsandbytes' CPU inference kernel (it ran "
+                    "a no-grad forward in eval mode before the trainer got it); that kernel has no backward. Pass the "
+                    "model to the trainer before using it for inference, or load it by id."
+                )
+            module.support_avx512bf16_for_cpu = False
+            changed += 1
+    return changed
+
+
 def apply_peft(model, peft_config, args):
     """Wrap `model` with a new adapter from `peft_config` (k-bit preparation first when quantised).
 
     Returns `(model, adapter_is_pretrained)`: False for a fresh adapter (its disabled state is the base model, a
     valid reference), True when `model` already arrived as a `PeftModel` (its adapter was trained before).
     """
+    keep_4bit_layers_trainable_on_cpu(model)
     if peft_config is None:
         if is_quantized(model) and not is_peft_model(model):
             raise ValueError(
