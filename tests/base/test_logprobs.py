@@ -59,4 +59,10 @@ def test_selective_log_softmax_bf16_is_computed_in_float32():
 def test_gradients_flow_through_logprobs(qwen2_model, tokenizer):
     ids, mask = batch(tokenizer)
     compute_token_logprobs(qwen2_model, ids, mask, 3).logps.sum().backward()
-    assert qwen2_model.lm_head.weight.grad is not None and qwen2_model.lm_head.weight.grad.abs().sum() > 0
+    grads = {n: p.grad.clone() for n, p in qwen2_model.named_parameters() if p.grad is not None}
+    qwen2_model.zero_grad(set_to_none=True)
+    naive_logprobs(qwen2_model, ids, mask, 3)[0].sum().backward()  # the same sum through the full log_softmax
+    expected = {n: p.grad for n, p in qwen2_model.named_parameters() if p.grad is not None}
+    assert grads.keys() == expected.keys() and grads["lm_head.weight"].abs().sum() > 0
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from datasets import IterableDataset
 from trl import prepare_multimodal_messages
 
 from ..base.answers import extract_answer
@@ -146,11 +147,13 @@ class GRMTrainer(PolicyTrainerBase):
             if name == "train":
                 raise ValueError("train_dataset is required: GRMTrainer needs judging rows to learn from.")
             return None
-        columns = column_names(dataset) or []
+        streaming = isinstance(dataset, IterableDataset)
+        columns = column_names(dataset) or (list(next(iter(dataset), {})) if streaming else [])
         if self.formatting_func is not None:
+            self._check_formatting_func(columns, args)
             dataset = dataset.map(lambda row: {args.dataset_text_field: self.formatting_func(row)})
-            columns = column_names(dataset) or []
-        if len(dataset) == 0 if hasattr(dataset, "__len__") else False:
+            columns = [*columns, args.dataset_text_field]
+        if not streaming and len(dataset) == 0:
             raise ValueError(f"{name} dataset is empty: GRMTrainer needs at least one row.")
         if not (
             {"prompt", "completion"} <= set(columns) or "messages" in columns or args.dataset_text_field in columns
@@ -162,13 +165,27 @@ class GRMTrainer(PolicyTrainerBase):
             )
         if any(c in columns for c in ("image", "images")):
             return dataset  # vision-language rows are tokenised with their images in the collator
+        # IterableDataset.map takes neither num_proc nor desc: streaming rows are tokenised as they are read.
+        map_kwargs = {} if streaming else {"num_proc": args.dataset_num_proc, "desc": f"Tokenizing {name} dataset"}
         return dataset.map(
             _tokenize_row,
             fn_kwargs={"processing_class": processing_class, "args": args},
-            num_proc=args.dataset_num_proc,
             with_indices=True,
-            desc=f"Tokenizing {name} dataset",
+            **map_kwargs,
         )
+
+    @staticmethod
+    def _check_formatting_func(columns, args):
+        """As `trl.SFTTrainer`: a formatting function turns rows into plain text, which has no prompt to mask."""
+        judgment_rows = {"prompt", "completion"} <= set(columns) or "messages" in columns
+        if args.completion_only_loss or (args.completion_only_loss is None and judgment_rows):
+            raise ValueError(
+                "A formatting function was provided while `completion_only_loss=True`, which is incompatible. "
+                f"The dataset has columns {columns}: GRMTrainer would train on the judgment only, but a formatting "
+                "function turns each row into one text with no prompt to mask. Drop formatting_func (the "
+                "prompt/completion or messages rows are used as they are), or set completion_only_loss=False to "
+                "train on the whole formatted text."
+            )
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
