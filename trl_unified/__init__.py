@@ -8,6 +8,7 @@ from .base.data import RepeatSampler
 from .base.generation import GenerationOutput, build_generation_config, generate_batched, unwrap_for_generation
 from .base.judge import GRMReward
 from .base.logprobs import compute_token_logprobs, entropy_from_logits, selective_log_softmax
+from .base.online import OnlineConfig, OnlineTrainer, RolloutBatch
 from .base.papers import PAPERS
 from .base.reference import ReferenceModel
 from .base.rewards import RewardFunctions
@@ -22,6 +23,8 @@ __all__ = [
     "GRMReward",
     "GRMTrainer",
     "GenerationOutput",
+    "OnlineConfig",
+    "OnlineTrainer",
     "PAPERS",
     "PolicyConfig",
     "PolicyTrainerBase",
@@ -30,6 +33,7 @@ __all__ = [
     "ReferenceModel",
     "RepeatSampler",
     "RewardFunctions",
+    "RolloutBatch",
     "answers_match",
     "build_generation_config",
     "compute_token_logprobs",

@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather_object, set_seed
-from datasets import Dataset, IterableDataset
+from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 from transformers import Trainer
 
 from . import answers as _answers
 from .answers import answers_match, extract_answer
 from .config import PolicyConfig
-from .data import RepeatSampler, column_names, get_images, shuffle_batch, split_batch
+from .data import column_names, get_images
 from .generation import build_generation_config, generate_batched, get_eos_token_ids, get_tokenizer
 from .logprobs import TokenLogprobs, compute_token_logprobs
 from .model_card import write_model_card
@@ -33,10 +33,6 @@ from .reference import ReferenceModel
 logger = logging.getLogger(__name__)
 
 
-def _identity(rows):
-    return rows
-
-
 class PolicyTrainerBase(Trainer):
     """Base of every trl_unified trainer: model loading, reference model, generation, log-probs, evaluation with
     generative accuracy, metric logging, model cards.
@@ -46,17 +42,13 @@ class PolicyTrainerBase(Trainer):
     - `compute_policy_loss(model, inputs, num_items_in_batch)` → loss tensor, or `(loss, model_outputs)`;
       record metrics with `self.log_metric(name, value)`.
     - `needs_reference(args)` → whether a reference model is built (default: False).
-    - For online algorithms (`_online = True`): `generate_and_score(rows)` → a dict of per-row tensors/lists for
-      the whole local generation batch. The base buffers it, shuffles it and hands out one micro-batch per
-      optimisation micro-step (`steps_per_generation`), reusing it `num_iterations` times. The config then defines
-      `num_generations`, `steps_per_generation`, `num_iterations`, `generation_batch_size` and `shuffle_dataset`.
+    - `prepare_dataset`, `make_data_collator`, `generation_options` to shape data and generation.
     - Optionally `eval_prompt(row)` and `reference_answer(row)` for generative evaluation accuracy.
     """
 
     _name = "Policy"
     _tag_names: list[str] = ["trl_unified"]
     _paper: dict[str, str] | None = None
-    _online = False
     config_class = PolicyConfig
 
     def __init__(
@@ -87,6 +79,7 @@ class PolicyTrainerBase(Trainer):
         prepare_peft_checkpointing(model, args)
         if args.disable_dropout:
             disable_dropout(model)
+        _reject_dataset_dict(train_dataset)
         for dataset in (train_dataset, *(eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset])):
             _check_images_fit(dataset, processing_class, model)
         train_dataset = self.prepare_dataset(train_dataset, processing_class, args, "train")
@@ -97,22 +90,15 @@ class PolicyTrainerBase(Trainer):
         self.reference = ReferenceModel.build(
             model, ref_model, args, self.needs_reference(args), adapter_is_pretrained, quantization_config
         )
-        if data_collator is None and not self._online:
+        if data_collator is None:
             data_collator = self.make_data_collator(processing_class, args)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
-        self._step, self._buffer, self._pending_eval_metrics = 0, None, {}
+        self._pending_eval_metrics = {}
         self.generative_metrics = list(generative_metrics or [])
-        if self._online and _uses_iterable(train_dataset, eval_dataset):
-            # Rows are python dicts, not tensors: each process reads its own shard instead of a dispatched batch.
-            if args.accelerator_config.dispatch_batches:
-                raise ValueError(
-                    "Iterable datasets need accelerator_config.dispatch_batches=False; it is set to True."
-                )
-            args.accelerator_config.dispatch_batches = False
         super().__init__(
             model=model,
             args=args,
-            data_collator=_identity if self._online else data_collator,
+            data_collator=data_collator,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
@@ -122,12 +108,12 @@ class PolicyTrainerBase(Trainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
         self.reference.prepare(self.accelerator)
+        _destroy_process_group_at_exit()
         self.eos_token_ids = get_eos_token_ids(self.model, processing_class)
         if hasattr(self.model, "add_model_tags"):
             self.model.add_model_tags(self._tag_names)
-        # Online trainers: each process samples different completions, reproducibly (their samplers have their own
-        # seeded generator). Offline ones keep one seed everywhere: accelerate derives the shared shuffling from it.
-        set_seed(self.args.seed, device_specific=self._online)
+        # One seed everywhere: accelerate derives the shared shuffling from it (online trainers re-seed per process).
+        set_seed(self.args.seed)
 
     # ------------------------------------------------------------------ hooks for subclasses
     def needs_reference(self, args) -> bool:
@@ -146,9 +132,9 @@ class PolicyTrainerBase(Trainer):
         """The algorithm's loss for one micro-batch. Return the loss, or `(loss, model_outputs)`."""
         raise NotImplementedError(f"{type(self).__name__} must implement compute_policy_loss.")
 
-    def generate_and_score(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """Online algorithms: turn a local generation batch of dataset rows into training inputs."""
-        raise NotImplementedError(f"{type(self).__name__} must implement generate_and_score (it sets _online=True).")
+    def generation_options(self) -> dict[str, Any]:
+        """Extra `generate_batched` arguments from the config (e.g. `gather_deepspeed3_params`)."""
+        return {}
 
     def eval_prompt(self, row: dict[str, Any]):
         """The prompt generated from during generative evaluation."""
@@ -203,11 +189,10 @@ class PolicyTrainerBase(Trainer):
             generation_config=self.generation_config(do_sample, max_new_tokens),
             batch_size=batch_size,
             accelerator=self.accelerator,
-            gather_deepspeed3_params=getattr(self.args, "ds3_gather_for_generation", True),
             images=images,
-            pad_to_multiple_of=getattr(self.args, "pad_to_multiple_of", None),
             chat_template_kwargs=self.args.chat_template_kwargs,
             eos_token_ids=self.eos_token_ids,
+            **self.generation_options(),
         )
 
     def token_logprobs(self, model, input_ids, attention_mask, logits_to_keep, **kwargs) -> TokenLogprobs:
@@ -221,61 +206,6 @@ class PolicyTrainerBase(Trainer):
         """Per-token log-probs under the reference model (no grad, eval mode)."""
         with torch.no_grad(), self.reference.use(self.accelerator, self.model) as ref_model:
             return self.token_logprobs(ref_model, input_ids, attention_mask, logits_to_keep, **kwargs).logps
-
-    # ------------------------------------------------------------------ data
-    def _set_signature_columns_if_needed(self):
-        if self._online and self._signature_columns is None:
-            self._signature_columns = ["prompt", "image", "images"]
-        super()._set_signature_columns_if_needed()
-
-    def _repeat_sampler(self, dataset, training: bool) -> RepeatSampler:
-        args = self.args
-        if training:
-            return RepeatSampler(
-                dataset,
-                mini_repeat_count=args.num_generations,
-                batch_size=args.generation_batch_size // args.num_generations,
-                repeat_count=args.num_iterations * args.steps_per_generation,
-                shuffle=args.shuffle_dataset,
-                seed=args.seed,
-            )
-        return RepeatSampler(
-            dataset, mini_repeat_count=args.num_generations_eval or args.num_generations, seed=args.seed
-        )
-
-    def _get_train_sampler(self, train_dataset=None):
-        if not self._online:
-            return super()._get_train_sampler(train_dataset)
-        return self._repeat_sampler(train_dataset if train_dataset is not None else self.train_dataset, True)
-
-    def _get_eval_sampler(self, eval_dataset):
-        return self._repeat_sampler(eval_dataset, False) if self._online else super()._get_eval_sampler(eval_dataset)
-
-    def get_train_dataloader(self):
-        if not self._online:
-            return super().get_train_dataloader()
-        dataset = self.train_dataset
-        if isinstance(dataset, IterableDataset):
-            dataset = _RepeatedIterable(dataset, self.args)
-        return self._get_dataloader(
-            dataset=dataset,
-            description="Training",
-            batch_size=self._train_batch_size * self.args.steps_per_generation,  # one whole generation batch
-            sampler_fn=self._get_train_sampler,
-            is_training=True,
-        )
-
-    def _prepare_inputs(self, inputs):
-        if not self._online:
-            return super()._prepare_inputs(inputs)
-        if not self.model.training:
-            return self.generate_and_score(inputs)
-        steps = self.args.steps_per_generation
-        if self._step % (steps * self.args.num_iterations) == 0 or self._buffer is None:
-            self._buffer = split_batch(shuffle_batch(self.generate_and_score(inputs)), steps)
-        micro_batch = self._buffer[self._step % steps]
-        self._step += 1
-        return micro_batch
 
     # ------------------------------------------------------------------ loss and evaluation loop
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -454,19 +384,42 @@ class PolicyTrainerBase(Trainer):
     def _save_checkpoint(self, model, trial):
         self.create_model_card(model_name=self.args.hub_model_id or os.path.basename(self.args.output_dir))
         super()._save_checkpoint(model, trial)
-        if self._online:  # the generation buffer and micro-step counter, so a resume continues mid-round exactly
-            folder = os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}")
-            state = {"step": self._step, "buffer": self._buffer}
-            torch.save(state, os.path.join(folder, f"trl_unified_state_{self.accelerator.process_index}.pt"))
 
-    def _load_rng_state(self, checkpoint):
-        super()._load_rng_state(checkpoint)
-        path = (
-            os.path.join(checkpoint, f"trl_unified_state_{self.accelerator.process_index}.pt") if checkpoint else None
+
+def _reject_dataset_dict(train_dataset) -> None:
+    """A `DatasetDict` holds splits, not rows (an eval dict of datasets is fine: it means several eval sets)."""
+    if isinstance(train_dataset, (DatasetDict, IterableDatasetDict)):
+        splits = list(train_dataset)
+        raise ValueError(
+            f"train_dataset is a {type(train_dataset).__name__} with splits {splits}; the trainer needs one split. "
+            f"Pass e.g. dataset[{(splits or ['train'])[0]!r}] (and another split as eval_dataset)."
         )
-        if self._online and path and os.path.exists(path):
-            state = torch.load(path, weights_only=False)
-            self._step, self._buffer = state["step"], state["buffer"]
+
+
+_teardown_registered = False
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, before its finalisation starts.
+
+    `transformers.Trainer` never destroys the process group accelerate created. Gloo's C++ worker threads can then
+    still hold finished work objects with tensors when Python finalises; freeing them needs the GIL of a dying
+    interpreter, and one rank aborts (`terminate called without an active exception`, SIGABRT) after training and
+    saving succeeded. An `atexit` handler runs while the interpreter is fully alive; it does nothing when the group was
+    already destroyed (e.g. by `accelerator.end_training()`), and it needs no collective, so a rank that fails
+    cannot make it hang.
+    """
+    global _teardown_registered
+    if _teardown_registered or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return
+    import atexit
+
+    def _teardown():
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    atexit.register(_teardown)
+    _teardown_registered = True
 
 
 def _check_images_fit(dataset, processing_class, model) -> None:
@@ -485,31 +438,3 @@ def _check_images_fit(dataset, processing_class, model) -> None:
         raise ValueError(
             f"The dataset has images but the model ({type(model).__name__}) is text-only. Use a vision-language model."
         )
-
-
-def _uses_iterable(*datasets) -> bool:
-    for ds in datasets:
-        values = ds.values() if isinstance(ds, dict) else [ds]
-        if any(isinstance(v, IterableDataset) for v in values):
-            return True
-    return False
-
-
-class _RepeatedIterable(torch.utils.data.IterableDataset):
-    """Streaming counterpart of `RepeatSampler` for an `IterableDataset` (shuffled with a buffer when asked)."""
-
-    def __init__(self, dataset: IterableDataset, args):
-        self.dataset = dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset
-        self.args = args
-
-    def __iter__(self):
-        args = self.args
-        prompts_per_batch = args.generation_batch_size // args.num_generations
-        chunk = []
-        for row in self.dataset:
-            chunk.append(row)
-            if len(chunk) == prompts_per_batch:
-                for _ in range(args.num_iterations * args.steps_per_generation):
-                    for item in chunk:
-                        yield from [item] * args.num_generations
-                chunk = []
