@@ -66,11 +66,16 @@ def target_fraction(word: str):
 
 
 def demo_model_and_data(training_args):
-    """A tiny model + tokenizer saved under output_dir/base-model (so it loads by path) and synthetic prompts."""
+    """A tiny model + tokenizer saved to a cache folder (so it loads by path, as a Hub id would) and synthetic prompts.
+
+    The folder is outside output_dir: output_dir is what `--push_to_hub` uploads, and it must hold one model, the
+    trained one.
+    """
     from trl_unified.testing import build_causal_lm, build_tokenizer, save_tiny_model
 
     tokenizer = build_tokenizer()
-    path = os.path.join(training_args.output_dir, "base-model")
+    cache = os.environ.get("TRL_UNIFIED_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "trl_unified"))
+    path = os.path.join(cache, "rloo-demo-base-model")
     with training_args.main_process_first(desc="build the demo model"):  # one process writes, the others read
         if training_args.process_index == 0:
             save_tiny_model(build_causal_lm(tokenizer, "qwen2", hidden_size=64), tokenizer, path)

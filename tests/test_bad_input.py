@@ -9,12 +9,13 @@ import json
 import os
 
 import pytest
-from datasets import Dataset
+import torch
+from datasets import Dataset, DatasetDict
 from peft import LoraConfig, get_peft_model
-from transformers import BitsAndBytesConfig
+from transformers import BitsAndBytesConfig, GenerationConfig
 
 from tests.helpers import prompt_dataset, rloo_args, varied_reward
-from trl_unified import GRMConfig, GRMTrainer, RLOOConfig, RLOOTrainer
+from trl_unified import GRMConfig, GRMTrainer, RLOOConfig, RLOOTrainer, generate_batched
 from trl_unified.testing import build_causal_lm, build_image, build_sequence_classifier, build_tokenizer
 
 
@@ -37,9 +38,27 @@ def grm(ctx, data, **config):
     return GRMTrainer(
         ctx["llama"],
         args=args,
-        train_dataset=Dataset.from_dict(data) if isinstance(data, dict) else data,
+        train_dataset=Dataset.from_dict(data) if type(data) is dict else data,
         processing_class=ctx["tok"],
     )
+
+
+def generate(ctx, prompts):
+    return generate_batched(
+        build_causal_lm(ctx["tok"], "llama"), ctx["tok"], prompts, GenerationConfig(max_new_tokens=2)
+    )
+
+
+def evaluate_with(ctx, **config):
+    trainer = rloo(ctx, eval_dataset=prompt_dataset(4), config=config)
+    return trainer.evaluate()
+
+
+def grm_with_formatting_func(ctx, **config):
+    args = GRMConfig(output_dir=str(ctx["tmp"]), bf16=False, report_to=[], **config)
+    data = Dataset.from_dict({"prompt": ["a b"], "completion": ["<answer> a </answer>"]})
+    return GRMTrainer(ctx["llama"], args=args, train_dataset=data, processing_class=ctx["tok"],
+                      formatting_func=lambda row: row["prompt"] + row["completion"])  # fmt: skip
 
 
 def rloo_config(ctx, **kwargs):
@@ -64,7 +83,7 @@ CASES = [
         "rloo_no_train",
         lambda c: RLOOTrainer(c["llama"], varied_reward, args=rloo_args(c["tmp"]), train_dataset=None),
         ValueError,
-        r"train_dataset is required",
+        r"^`train_dataset` is required",
     ),
     (
         "rloo_eval_no_prompt",
@@ -145,7 +164,7 @@ CASES = [
         "sync_ref_without_beta",
         lambda c: rloo_config(c, sync_ref_model=True, beta=0.0),
         ValueError,
-        r"sync_ref_model=True but beta=0.0",
+        r"^You passed `sync_ref_model=True` while `beta=0.0`",
     ),
     (
         "use_vllm",
@@ -267,16 +286,145 @@ CASES = [
         ValueError,
         r"quantization_config is set both",
     ),
+    # --- round two: datasets
+    (
+        "rloo_dataset_smaller_than_a_generation_batch",
+        lambda c: rloo(c, prompt_dataset(1)),
+        ValueError,
+        r"train_dataset has 1 prompts, but one generation batch needs 2 distinct prompts",
+    ),
+    (
+        "rloo_dataset_smaller_with_steps_per_generation",
+        lambda c: rloo(c, prompt_dataset(3), config={"steps_per_generation": 2}),
+        ValueError,
+        r"has 3 prompts, but one generation batch needs 4",
+    ),
+    (
+        "rloo_dataset_dict",
+        lambda c: rloo(c, DatasetDict(train=prompt_dataset(), test=prompt_dataset())),
+        ValueError,
+        r"train_dataset is a DatasetDict with splits \['train', 'test'\].*dataset\['train'\]",
+    ),
+    (
+        "grm_dataset_dict",
+        lambda c: grm(c, DatasetDict(train=Dataset.from_dict({"prompt": ["a"], "completion": ["b"]}))),
+        ValueError,
+        r"train_dataset is a DatasetDict",
+    ),
+    (
+        "rloo_train_dataset_is_a_list",
+        lambda c: rloo(c, [{"prompt": "a"}] * 8),
+        TypeError,
+        r"`train_dataset` must be a `Dataset` or `IterableDataset`, got `list`",
+    ),
+    (
+        "rloo_empty_prompt",
+        lambda c: rloo(c, Dataset.from_dict({"prompt": ["a b", "", "c", "d"] * 2})),
+        ValueError,
+        r"train dataset row 1 has prompt '': every row needs a non-empty prompt",
+    ),
+    (
+        "rloo_none_prompt",
+        lambda c: rloo(c, Dataset.from_dict({"prompt": ["a b", "c", None, "d"] * 2})),
+        ValueError,
+        r"train dataset row 2 has prompt None",
+    ),
+    (
+        "rloo_empty_conversation",
+        lambda c: rloo(c, Dataset.from_list([{"prompt": [{"role": "user", "content": "a"}]}, {"prompt": []}] * 4)),
+        ValueError,
+        r"row 1 has prompt \[\]",
+    ),
+    (
+        "rloo_eval_empty_prompt",
+        lambda c: rloo(c, eval_dataset=Dataset.from_dict({"prompt": ["a", " "]})),
+        ValueError,
+        r"eval dataset row 1 has prompt ' '",
+    ),
+    (
+        "rloo_completion_beyond_positions",
+        lambda c: rloo(c, config={"max_completion_length": 600}),
+        ValueError,
+        r"that is \d+ positions, beyond the model's maximum of 512 .*lower max_completion_length",
+    ),
+    (
+        "rloo_prompt_beyond_positions",
+        lambda c: rloo(c, Dataset.from_dict({"prompt": ["a b"] * 7 + [" ".join(["a"] * 600)]})),
+        ValueError,
+        r"train dataset row 7 has a prompt of 60\d tokens",
+    ),
+    (
+        "grm_formatting_func_with_judgment_rows",
+        lambda c: grm_with_formatting_func(c),
+        ValueError,
+        r"A formatting function was provided while `completion_only_loss=True`.*Drop formatting_func",
+    ),
+    (
+        "grm_formatting_func_completion_only",
+        lambda c: grm_with_formatting_func(c, completion_only_loss=True),
+        ValueError,
+        r"completion_only_loss=True",
+    ),
+    # --- round two: configuration validated at construction
+    (
+        "answer_extractor_bad_regex",
+        lambda c: rloo_config(c, answer_extractor="regex:(("),
+        ValueError,
+        r"answer_extractor='regex:\(\(': the pattern does not compile",
+    ),
+    (
+        "answer_extractor_regex_without_group",
+        lambda c: rloo_config(c, answer_extractor="regex:Answer: \\d+"),
+        ValueError,
+        r"has no capture group",
+    ),
+    (
+        "eval_batch_not_multiple_of_G_manual_evaluate",
+        lambda c: evaluate_with(c, per_device_eval_batch_size=3),
+        ValueError,
+        r"per_device_eval_batch_size \* num_processes = 3 must be divisible by the eval num_generations \(2\)",
+    ),
+    (
+        "eval_batch_not_multiple_of_G_eval",
+        lambda c: evaluate_with(c, per_device_eval_batch_size=4, num_generations_eval=3),
+        ValueError,
+        r"= 4 must be divisible by the eval num_generations \(3\)",
+    ),
+    # --- round two: generate_batched input forms
+    (
+        "generate_single_string",
+        lambda c: generate(c, "a b c"),
+        TypeError,
+        r"prompts is a single string .* Pass \[prompt\]",
+    ),
+    (
+        "generate_1d_tensor",
+        lambda c: generate(c, torch.tensor([4, 5, 6])),
+        TypeError,
+        r"1-D torch.int64 tensor; pass token ids as a 2-D",
+    ),
+    ("generate_float_tensor", lambda c: generate(c, torch.zeros(2, 3)), TypeError, r"2-D torch.float32 tensor"),
+    (
+        "generate_mixed_forms",
+        lambda c: generate(c, ["a b", [4, 5]]),
+        TypeError,
+        r"prompts\[1\] is '\[4, 5\]' \(list\); every prompt must be of the same form",
+    ),
+    ("generate_none_prompt", lambda c: generate(c, ["a", None]), TypeError, r"prompts\[1\] is 'None' \(NoneType\)"),
+    (
+        "generate_mapping_without_ids",
+        lambda c: generate(c, {"attention_mask": torch.ones(1, 2)}),
+        TypeError,
+        r"needs 'input_ids'",
+    ),
+    ("generate_empty_string", lambda c: generate(c, ["a", ""]), ValueError, r"prompts\[1\] encode to no tokens"),
+    ("generate_int", lambda c: generate(c, 3), TypeError, r"prompts is a int"),
 ]
 
 
 @pytest.fixture
 def ctx(llama_path, tokenizer, tmp_path):
     return {"llama": llama_path, "tok": tokenizer, "tmp": tmp_path}
-
-
-def test_table_has_enough_cases():
-    assert len(CASES) >= 25
 
 
 @pytest.mark.parametrize("name, build, error, pattern", CASES, ids=[c[0] for c in CASES])
@@ -291,7 +439,11 @@ def test_bad_input_is_rejected_before_training(name, build, error, pattern, ctx)
     [
         (lambda completions, **kw: [1.0], r"returned 1 rewards for 4 completions"),
         (lambda completions, **kw: 1 / 0, r"raised ZeroDivisionError"),
-        (lambda completions, **kw: [None] * len(completions), r"Every reward function returned None/NaN"),
+        (
+            lambda completions, **kw: [float("inf")] * len(completions),
+            r"returned inf for completion 0. Rewards must be finite",
+        ),
+        (lambda completions, **kw: [1.0, float("-inf"), 0.0, 0.0], r"returned -inf for completion 1"),
     ],
 )
 def test_reward_failing_mid_run_names_step_and_row_and_keeps_the_checkpoint(reward, pattern, llama_path, tmp_path):

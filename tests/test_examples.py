@@ -80,3 +80,17 @@ def test_grm_example_real_run_from_command_line(llama_path, tmp_path):
     )
     assert "eval accuracy before training" in result.stdout
     assert (tmp_path / "out" / "model.safetensors").exists() and (tmp_path / "out" / "eval_records").is_dir()
+
+
+def test_rloo_demo_output_dir_holds_only_the_trained_model(tmp_path):
+    """`--push_to_hub` uploads output_dir: the demo's generated base model must live elsewhere (a cache folder)."""
+    out, cache = tmp_path / "demo", tmp_path / "cache"
+    env_cache = {"TRL_UNIFIED_CACHE": str(cache)}
+    os.environ.update(env_cache)
+    try:
+        run_example("rloo.py", ["--max_steps", "2", "--output_dir", str(out)], tmp_path)
+    finally:
+        os.environ.pop("TRL_UNIFIED_CACHE")
+    weights = sorted(str(p.relative_to(out)) for p in out.rglob("*.safetensors"))
+    assert weights == ["model.safetensors"], weights
+    assert (cache / "rloo-demo-base-model" / "model.safetensors").exists()

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -220,3 +221,17 @@ class PolicyConfig(TrainingArguments):
                 f"answer_extractor={self.answer_extractor!r} is not one of {sorted(ANSWER_EXTRACTORS)} "
                 "nor 'regex:<pattern>'."
             )
+        if self.answer_extractor.startswith("regex:"):
+            pattern = self.answer_extractor[len("regex:") :]
+            try:
+                groups = re.compile(pattern).groups
+            except re.error as e:
+                raise ValueError(
+                    f"answer_extractor={self.answer_extractor!r}: the pattern does not compile ({e}). Fix the regular "
+                    "expression, e.g. 'regex:Answer: (\\S+)'."
+                ) from e
+            if groups < 1:
+                raise ValueError(
+                    f"answer_extractor={self.answer_extractor!r} has no capture group; the answer is read from the "
+                    "first one. Wrap the answer part in parentheses, e.g. 'regex:Answer: (\\S+)'."
+                )

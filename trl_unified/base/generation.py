@@ -2,7 +2,7 @@
 
 import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,6 +151,85 @@ def unwrap_for_generation(
         unwrapped.train(was_training)
 
 
+def normalize_prompts(prompts) -> list:
+    """The prompt forms `generate_batched` accepts, as a list of texts, token-id lists or conversations.
+
+    Accepted: a list (or tuple) of strings, of token-id lists, or of conversations (lists of message dicts); a 2-D
+    `(batch, length)` tensor of token ids (every position is a prompt token); a `BatchEncoding` or dict with
+    `input_ids` and optionally `attention_mask` (positions with mask 0 are padding, on either side, and are dropped).
+    A bare string, a 1-D tensor, or a list mixing forms raises a `TypeError` saying what to pass instead.
+    """
+    if isinstance(prompts, str):
+        raise TypeError(
+            f"prompts is a single string ({prompts[:40]!r}); generate_batched takes a list of prompts. "
+            "Pass [prompt] to generate for one prompt."
+        )
+    if isinstance(prompts, Mapping):
+        if "input_ids" not in prompts:
+            raise TypeError(
+                f"prompts is a mapping with keys {sorted(prompts)}, but a tokenised batch needs 'input_ids' "
+                "(and optionally 'attention_mask')."
+            )
+        ids = torch.as_tensor(prompts["input_ids"])
+        mask = prompts.get("attention_mask")
+        if ids.dim() != 2:
+            raise TypeError(f"prompts['input_ids'] has shape {tuple(ids.shape)}; expected (batch, length).")
+        if mask is None:
+            return [row.tolist() for row in ids]
+        mask = torch.as_tensor(mask).bool()
+        return [row[m].tolist() for row, m in zip(ids, mask, strict=True)]
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2 or prompts.is_floating_point():
+            raise TypeError(
+                f"prompts is a {prompts.dim()}-D {prompts.dtype} tensor; pass token ids as a 2-D (batch, length) "
+                "integer tensor, or a BatchEncoding with an attention_mask when rows are padded."
+            )
+        return [row.tolist() for row in prompts]
+    if not isinstance(prompts, (list, tuple)) and hasattr(prompts, "__getitem__") and hasattr(prompts, "__len__"):
+        prompts = list(prompts)  # sequence-like, e.g. a datasets Column
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(
+            f"prompts is a {type(prompts).__name__}; pass a list of strings, token-id lists or conversations, a 2-D "
+            "tensor of token ids, or a BatchEncoding."
+        )
+    kinds = [_prompt_kind(p) for p in prompts]
+    for i, (prompt, kind) in enumerate(zip(prompts, kinds)):
+        if kind is None or kind != kinds[0]:
+            raise TypeError(
+                f"prompts[{i}] is {str(prompt)[:60]!r} ({type(prompt).__name__}); every prompt must be of the same "
+                "form: a non-empty string, list of token ids, or conversation (list of {'role', 'content'} dicts)."
+            )
+    return [p.tolist() if isinstance(p, torch.Tensor) else p for p in prompts]
+
+
+def _prompt_kind(prompt) -> str | None:
+    if isinstance(prompt, str):
+        return "text"
+    if isinstance(prompt, torch.Tensor):
+        return "ids" if prompt.dim() == 1 and not prompt.is_floating_point() else None
+    if isinstance(prompt, (list, tuple)) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return "ids"
+        if all(isinstance(m, Mapping) and "role" in m for m in prompt):
+            return "conversation"
+    return None
+
+
+def max_positions(model) -> int | None:
+    """The longest sequence a decoder-only model's config allows (`max_position_embeddings` / `n_positions`)."""
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        return None
+    config = config.get_text_config()
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def prompt_lengths(processing_class, prompts, chat_template_kwargs=None) -> list[int]:
+    """Token count of each prompt as `generate_batched` encodes it (chat template with a generation prompt)."""
+    encoded = _encode_prompts(processing_class, normalize_prompts(prompts), None, chat_template_kwargs or {})
+    return [len(e["input_ids"]) for e in encoded]
+
+
 def _encode_prompts(processing_class, prompts, images, chat_template_kwargs) -> list[dict[str, Any]]:
     """Tokenise each prompt to a dict (`input_ids` list, plus image tensors for processors)."""
     if images is not None:
@@ -197,6 +276,21 @@ def _is_sequence_aligned(value, input_ids) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 2 and value.size(0) == 1 and value.size(1) == length
 
 
+def _check_fits_positions(model, encoded, generation_config) -> None:
+    limit = max_positions(model)
+    new_tokens = getattr(generation_config, "max_new_tokens", None)
+    if limit is None or new_tokens is None or not encoded:
+        return
+    longest = max(range(len(encoded)), key=lambda i: torch.as_tensor(encoded[i]["input_ids"]).numel())
+    length = torch.as_tensor(encoded[longest]["input_ids"]).numel()
+    if length + new_tokens > limit:
+        raise ValueError(
+            f"Prompt {longest} has {length} tokens; with max_new_tokens={new_tokens} that is {length + new_tokens} "
+            f"positions, beyond the model's maximum of {limit} (config.max_position_embeddings). Shorten the prompt "
+            "or generate fewer tokens."
+        )
+
+
 def cut_after_eos(completion_ids: torch.Tensor, eos_token_ids: Sequence[int], pad_token_id: int):
     """Mask (and pad) every token after the first EOS of each row; the EOS itself is kept.
 
@@ -236,8 +330,9 @@ def generate_batched(
             Decoder-only or encoder-decoder model (or a vision-language model with `images`).
         processing_class (`PreTrainedTokenizerBase` or `ProcessorMixin`):
             Tokenizer or processor; its pad token pads, its tokenizer decodes.
-        prompts (`list[str]`, `list[list[int]]` or `list[list[dict]]`):
-            Plain texts, token ids, or conversations (the chat template is applied with a generation prompt).
+        prompts (`list[str]`, `list[list[int]]`, `list[list[dict]]`, `torch.Tensor` or `BatchEncoding`):
+            Plain texts, token ids, or conversations (the chat template is applied with a generation prompt); a 2-D
+            tensor of ids, or a tokenised batch whose `attention_mask` marks padding (see `normalize_prompts`).
         generation_config (`GenerationConfig`, *optional*):
             Decoding settings; defaults to the model's own generation config.
         batch_size (`int`, *optional*):
@@ -266,6 +361,7 @@ def generate_batched(
     >>> out.texts, out.completion_mask.sum(1)
     ```
     """
+    prompts = normalize_prompts(prompts)
     tokenizer = get_tokenizer(processing_class)
     unwrapped_for_config = accelerator.unwrap_model(model) if accelerator is not None else model
     eos_token_ids = (
@@ -273,7 +369,14 @@ def generate_batched(
     )
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
     encoded = _encode_prompts(processing_class, prompts, images, chat_template_kwargs or {})
+    empty = [i for i, e in enumerate(encoded) if torch.as_tensor(e["input_ids"]).numel() == 0]
+    if empty:
+        raise ValueError(
+            f"prompts{empty[:5]} encode to no tokens (empty prompt {prompts[empty[0]]!r}); a decoder-only model needs "
+            "at least one prompt token to generate from. Remove empty prompts or give the tokenizer a BOS token."
+        )
     batch_size = batch_size or max(len(encoded), 1)
+    _check_fits_positions(unwrapped_for_config, encoded, generation_config)
     device = accelerator.device if accelerator is not None else next(unwrapped_for_config.parameters()).device
 
     completions = []

@@ -144,8 +144,15 @@ class RewardFunctions:
                 "one reward (or None) per completion."
             )
         out = []
-        for v in values:
+        for row, v in enumerate(values):
             v = float("nan") if v is None else float(v)
+            if math.isinf(v):
+                # An infinite reward makes every advantage of its group infinite or NaN and the weights NaN after one
+                # step. It is a bug in the function, not a score: stop before it reaches the optimiser.
+                raise ValueError(
+                    f"Reward function {name!r} returned {v} for completion {row}. Rewards must be finite floats, or "
+                    "None (NaN) for 'not applicable'. Clip the value in the function (e.g. to a large finite bound)."
+                )
             out.append(v)
         return out
 
