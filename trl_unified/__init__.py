@@ -14,6 +14,7 @@ from .base.reference import ReferenceModel
 from .base.rewards import RewardFunctions
 from .base.trainer import PolicyTrainerBase
 from .trainers.grm import GRMConfig, GRMTrainer
+from .trainers.grpo import GRPOConfig, GRPOTrainer
 from .trainers.rloo import RLOOConfig, RLOOTrainer, rloo_advantages
 
 
@@ -22,6 +23,8 @@ __all__ = [
     "GRMConfig",
     "GRMReward",
     "GRMTrainer",
+    "GRPOConfig",
+    "GRPOTrainer",
     "GenerationOutput",
     "OnlineConfig",
     "OnlineTrainer",

@@ -207,7 +207,7 @@ class ReinforceTrainer(OnlineTrainer):
 
     _name = "REINFORCE"
 
-    def compute_advantages(self, rewards, batch, mode):
+    def compute_advantages(self, rewards, rewards_per_func, batch, mode):
         return torch.nan_to_num(rewards - torch.nanmean(rewards))
 
     def compute_policy_loss(self, model, inputs, num_items_in_batch=None):

@@ -1,4 +1,4 @@
-"""Run by test_multiprocess.py: 2 steps of RLOO or GRM with a given layout (ddp: 2 processes x bs 4;
+"""Run by test_multiprocess.py: 2 steps of RLOO, GRPO or GRM with a given layout (ddp: 2 processes x bs 4;
 single: 1 x bs 8; ga: 1 x bs 4 x accumulation 2); the main process saves the final parameters."""
 
 import sys
@@ -11,7 +11,7 @@ torch.set_num_threads(1)
 from datasets import Dataset  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
-from trl_unified import GRMConfig, GRMTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
+from trl_unified import GRMConfig, GRMTrainer, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 from trl_unified.testing import build_causal_lm, build_tokenizer  # noqa: E402
 
 
@@ -51,10 +51,14 @@ def fake_generate(self, input_ids, attention_mask=None, generation_config=None, 
 
 tokenizer = build_tokenizer()
 model = build_causal_lm(tokenizer, "llama")
-if kind == "rloo":
+if kind in ("rloo", "grpo"):
     LlamaForCausalLM.generate = fake_generate
-    args = RLOOConfig(num_generations=4, max_completion_length=5, beta=0.1, **common)
-    trainer = RLOOTrainer(
+    online = {  # GRPO: DAPO's token normalisation across processes and KL with the bias correction
+        "rloo": (RLOOTrainer, RLOOConfig(num_generations=4, max_completion_length=5, beta=0.1, **common)),
+        "grpo": (GRPOTrainer, GRPOConfig(num_generations=4, max_completion_length=5, beta=0.1, **common)),
+    }
+    trainer_class, args = online[kind]
+    trainer = trainer_class(
         model,
         lambda completion_ids, **kw: [(ids[0] % 5) / 5 for ids in completion_ids],
         args=args,

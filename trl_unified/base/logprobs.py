@@ -61,6 +61,7 @@ def compute_token_logprobs(
     logits_to_keep: int,
     temperature: float = 1.0,
     compute_entropy: bool = False,
+    entropy_requires_grad: bool = False,
     batch_size: int | None = None,
     output_router_logits: bool = False,
     **forward_kwargs,
@@ -78,6 +79,8 @@ def compute_token_logprobs(
         logits_to_keep (`int`): `C`, the number of completion positions to score.
         temperature (`float`, *optional*, defaults to `1.0`): the sampling temperature.
         compute_entropy (`bool`, *optional*, defaults to `False`): also return per-token entropies.
+        entropy_requires_grad (`bool`, *optional*, defaults to `False`): keep the entropies in the autograd graph
+            (an entropy bonus in the loss); otherwise they are computed without grad, for logging and masks.
         batch_size (`int`, *optional*): rows per forward pass; all rows at once by default.
         output_router_logits (`bool`, *optional*, defaults to `False`): return the MoE load-balancing loss.
         **forward_kwargs (`Any`): other model inputs with a leading batch dimension (e.g. `token_type_ids`), or, for
@@ -112,7 +115,7 @@ def compute_token_logprobs(
             logits = logits / temperature
         logps.append(selective_log_softmax(logits, input_ids[rows, -logits_to_keep:]))
         if compute_entropy:
-            with torch.no_grad():
+            with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
                 entropies.append(entropy_from_logits(logits))
         if output_router_logits and getattr(outputs, "aux_loss", None) is not None:
             aux_losses.append(outputs.aux_loss)

@@ -14,6 +14,7 @@ A subclass implements `compute_advantages` and `compute_policy_loss`, nothing el
 import dataclasses
 import logging
 import os
+import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -245,6 +246,8 @@ class RolloutBatch:
             generation and every use of the batch (then they equal the loss forward's, detached).
         ref_logps (`(B, C)` or None): per-token reference log-probs; None without a reference model.
         is_truncated (`(B,)` bool): the completion hit `max_completion_length` without an EOS.
+        num_loss_tokens (`float`): tokens under `completion_mask` in the whole generation batch, all processes
+            (the normaliser of token-sum losses such as DAPO's).
         image_inputs (list of B dicts, or None): per-row image tensors (pixel_values, image_grid_thw, ...).
         prompt_token_inputs (dict of `(B, P)`): per-token prompt inputs besides the ids (e.g. mm_token_type_ids).
     """
@@ -259,6 +262,7 @@ class RolloutBatch:
     advantages: torch.Tensor | None = None
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
+    num_loss_tokens: float = 0.0
     image_inputs: list[dict[str, torch.Tensor]] | None = None
     prompt_token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -319,8 +323,8 @@ class OnlineTrainer(PolicyTrainerBase):
     """Base of the online trainers (RLOO, GRPO): TRL's constructor and usage surface, the rollout and its buffer.
 
     A subclass implements:
-    - `compute_advantages(rewards, batch, mode)`: `(N_global,)` advantages from the gathered rewards (groups of G
-      contiguous; NaN = unscorable) and this process's `RolloutBatch` (its old/reference log-probs).
+    - `compute_advantages(rewards, rewards_per_func, batch, mode)`: `(N_global,)` advantages from the gathered
+      rewards (groups of G contiguous; NaN = unscorable) and this process's `RolloutBatch` (old/reference log-probs).
     - `compute_policy_loss(model, inputs, num_items_in_batch)`: the loss of one `RolloutBatch` micro-batch.
     Optionally `needs_old_logps(mode)` and `defers_advantages` (see their docstrings).
     """
@@ -362,7 +366,7 @@ class OnlineTrainer(PolicyTrainerBase):
             self.rewards.funcs[i] = prepare_frozen_model(reward_model.requires_grad_(False), self.accelerator)
         self._setup_aux_loss()
         self._check_prompt_lengths()
-        self._step, self._buffer = 0, None
+        self._step, self._buffer, self._step_time = 0, None, 0.0
         size = self.args.generation_batch_size
         self._logs = {
             "images": deque(maxlen=size),
@@ -437,7 +441,11 @@ class OnlineTrainer(PolicyTrainerBase):
         """True when advantages need the loss forward's log-probs (the rollout then leaves them None)."""
         return False
 
-    def compute_advantages(self, rewards: torch.Tensor, batch: RolloutBatch, mode: str) -> torch.Tensor:
+    def compute_advantages(
+        self, rewards: torch.Tensor, rewards_per_func: torch.Tensor, batch: RolloutBatch, mode: str
+    ) -> torch.Tensor:
+        """`(N_global,)` advantages. `rewards`: the weighted sum over functions `(N_global,)`, NaN where no function
+        scored the row; `rewards_per_func`: `(N_global, num_funcs)`; groups of G rows contiguous."""
         raise NotImplementedError(f"{type(self).__name__} must implement compute_advantages.")
 
     def generation_options(self) -> dict[str, Any]:
@@ -563,6 +571,15 @@ class OnlineTrainer(PolicyTrainerBase):
         self._step += 1
         return micro_batch
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        start = time.perf_counter()
+        output = super().training_step(model, inputs, num_items_in_batch)
+        self._step_time += time.perf_counter() - start
+        if self._step % self.current_gradient_accumulation_steps == 0:  # `step_time`: seconds per optimiser step
+            self.log_metric("step_time", self._step_time)
+            self._step_time = 0.0
+        return output
+
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         # The generation buffer and micro-step counter, so a resume continues mid-round exactly.
@@ -596,6 +613,7 @@ class OnlineTrainer(PolicyTrainerBase):
             rewards=torch.empty(0),
             row_index=torch.empty(0),
             is_truncated=out.is_truncated,
+            num_loss_tokens=self.accelerator.gather(completion_mask.sum()).sum().item(),
             image_inputs=out.image_inputs,
             prompt_token_inputs=dict(out.prompt_token_inputs or {}),
         )
@@ -609,7 +627,9 @@ class OnlineTrainer(PolicyTrainerBase):
         local = slice(rank * n, (rank + 1) * n)
         batch.rewards, batch.row_index = rewards[local], torch.arange(rank * n, (rank + 1) * n, device=rewards.device)
         self._log_reward_metrics(rewards_per_func, rewards)
-        advantages = None if self.defers_advantages else self.compute_advantages(rewards, batch, mode)
+        advantages = (
+            None if self.defers_advantages else self.compute_advantages(rewards, rewards_per_func, batch, mode)
+        )
         if advantages is not None:
             batch.advantages = advantages[local]
         self._log_samples(prompts, completions, images, rewards_per_func, advantages)

@@ -95,7 +95,7 @@ class RLOOTrainer(OnlineTrainer):
         """The KL shaping of the reward needs pi_old, which is the loss forward's when no old log-probs were kept."""
         return self.model.training and self._reuses_policy_logps and self.reference.available
 
-    def compute_advantages(self, rewards: torch.Tensor, batch: RolloutBatch, mode: str) -> torch.Tensor:
+    def compute_advantages(self, rewards, rewards_per_func, batch: RolloutBatch, mode: str) -> torch.Tensor:
         kl = None
         if batch.ref_logps is not None:
             kl = gather(self._sequence_kl(batch.old_logps, batch.ref_logps, batch.completion_mask))

@@ -1,0 +1,351 @@
+r"""Group Relative Policy Optimization (GRPO), Shao et al., 2024 (DeepSeekMath, arXiv:2402.03300), with the loss
+variants of `trl.GRPOTrainer` 1.16: a drop-in for it on the shared online core.
+
+Advantages, per prompt group of G completions (r: rewards weighted and summed over functions, NaN = unscorable):
+
+    sum_then_normalize:  A_i = (r_i - mean_group r) / (s + 1e-4)
+        s = std over the group (scale_rewards="group"), over the generation batch ("batch", PPO Lite,
+        arXiv:2508.08221), or no division at all ("none", Dr. GRPO, arXiv:2503.20783)
+    normalize_then_sum (GDPO, arXiv:2601.05242): each function's rewards are normalised within the group first,
+        r'_i = sum_k w_k (r_ik - mean_group r_k) / (std_group r_k + 1e-4),
+        then A_i = (r'_i - mean r') / (std r' + 1e-4)
+        over the generation batch.
+
+Per token t of completion i, with the importance ratio w = pi_theta / pi_old per token, or per sequence
+exp(mean_t log(pi_theta / pi_old)) with importance_sampling_level="sequence" (GSPO, arXiv:2507.18071):
+
+    grpo, bnpo, dr_grpo, dapo, luspo:  l = -min(w A, clip(w, 1 - eps, 1 + eps_high) A),  w capped at `delta` when
+        set (two-sided clipping, INTELLECT-2, arXiv:2505.07291)
+    cispo (MiniMax-M1, arXiv:2506.13585):  l = -sg(min(w, eps_high)) A log pi_theta
+    sapo (arXiv:2511.20347):  l = -(4 / tau) sigmoid(tau (w - 1)) A,  tau = sapo_temperature_pos if A > 0 else _neg
+    vespo (arXiv:2602.10693):  l = -sg(phi(W)) A log pi_theta,  phi(W) = e^lambda W^k e^(-lambda W),
+        W = clamp(exp(sum_t log w)), (k, lambda) by the sign of A
+    then, when beta > 0:  l += beta * KL,  KL = exp(ref - logp) - (ref - logp) - 1   (k3 estimator, Schulman 2020),
+        multiplied by w when use_bias_correction_kl (DeepSeek-V3.2, arXiv:2512.02556)
+
+Tokens outside the top `top_entropy_quantile` of entropies (Beyond the 80/20 Rule, arXiv:2506.01939) and sequences
+with A < 0 whose mean KL(pi_old || pi_theta) exceeds `off_policy_mask_threshold` (DeepSeek-V3.2) drop out of l.
+With M_i completion tokens, B rows in the micro-batch, GA accumulation steps and N loss tokens in the whole
+generation batch (all processes), the loss of one micro-batch is
+
+    grpo, sapo:  1/B sum_i (1/M_i sum_t l_it) / GA          bnpo (arXiv:2506.02864):  sum_it l / sum_i M_i / GA
+    dr_grpo:     sum_it l / (B * max_completion_length) / GA     luspo (arXiv:2602.05261):  1/B sum_it l / GA
+    dapo (arXiv:2503.14476), cispo, vespo:  sum_it l / (N / processes * GA / steps_per_generation)
+
+minus `entropy_coef` times the mean token entropy / GA (adaptive as in Skywork-OR1, arXiv:2505.22312).
+"""
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+from accelerate.utils import gather
+
+from ..base.config import document_fields
+from ..base.online import OnlineConfig, OnlineTrainer, RolloutBatch, nanstd
+from ..base.papers import PAPERS
+
+
+logger = logging.getLogger(__name__)
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+_VLLM_IS = "vLLM importance sampling applies to vLLM generation, which is not implemented."
+
+
+@document_fields
+@dataclass
+class GRPOConfig(OnlineConfig):
+    """Configuration of `GRPOTrainer`: every field of `trl.GRPOConfig` 1.16, same names and defaults."""
+
+    _unimplemented_fields = {
+        **OnlineConfig._unimplemented_fields,
+        **dict.fromkeys(
+            (
+                "vllm_importance_sampling_correction",
+                "vllm_importance_sampling_mode",
+                "vllm_importance_sampling_clip_max",
+                "vllm_importance_sampling_clip_min",
+                "vllm_importance_sampling_cap",
+            ),
+            _VLLM_IS,
+        ),  # fmt: skip
+        "cast_lm_head_to_fp32": "Load the model in float32 instead; log-probs are computed in float32 already.",
+        "max_tool_calling_iterations": "Tool calling (`tools`, `environment_factory`) is not implemented.",
+        "log_completions_hub_repo": "Completion logs go to the console and W&B (`log_completions`).",
+    }
+
+    num_generations: int | None = field(default=8, metadata={"help": "Completions sampled per prompt (G >= 2)."})
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient β. If 0.0, no reference model is loaded."})
+    cast_lm_head_to_fp32: bool = field(
+        default=False, metadata={"help": "Cast the LM head to float32 (not implemented)."}
+    )
+    delta: float | None = field(
+        default=None, metadata={"help": "Upper cap of the ratio (two-sided clipping). None: off."}
+    )
+    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "SAPO gate temperature for A <= 0."})
+    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "SAPO gate temperature for A > 0."})
+    vespo_k_pos: float = field(default=2.0, metadata={"help": "VESPO power exponent k for A >= 0."})
+    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "VESPO decay λ for A >= 0."})
+    vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO power exponent k for A < 0."})
+    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "VESPO decay λ for A < 0."})
+    importance_sampling_level: str = field(
+        default="token", metadata={"help": "Ratio per 'token' or per 'sequence' (GSPO)."}
+    )
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize", metadata={"help": "'sum_then_normalize' or 'normalize_then_sum' (GDPO)."}
+    )
+    scale_rewards: str = field(
+        default="group", metadata={"help": "Divide advantages by the 'group', 'batch' or 'none' std."}
+    )
+    loss_type: str = field(
+        default="dapo", metadata={"help": f"One of {', '.join(LOSS_TYPES)} (see the module docstring)."}
+    )
+    top_entropy_quantile: float = field(
+        default=1.0, metadata={"help": "Keep the top-ρ quantile of tokens by entropy."}
+    )
+    entropy_coef: float = field(default=0.0, metadata={"help": "Weight of the mean-token-entropy bonus. 0.0: off."})
+    use_adaptive_entropy: bool = field(default=False, metadata={"help": "Adapt entropy_coef each step (Skywork-OR1)."})
+    entropy_coef_min: float = field(default=0.0, metadata={"help": "Lower bound of the adaptive entropy_coef."})
+    entropy_coef_max: float = field(default=1.0, metadata={"help": "Upper bound of the adaptive entropy_coef."})
+    entropy_coef_delta: float = field(default=0.005, metadata={"help": "Step of the adaptive entropy_coef."})
+    entropy_target: float = field(
+        default=0.2, metadata={"help": "Entropy (nats) at or below which the bonus applies."}
+    )
+    max_tool_calling_iterations: int | None = field(
+        default=None, metadata={"help": "Tool-calling turns (not implemented)."}
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=True, metadata={"help": "vLLM IS correction (vLLM only)."}
+    )
+    vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata={"help": "vLLM IS mode (vLLM only)."})
+    vllm_importance_sampling_clip_max: float | None = field(
+        default=3.0, metadata={"help": "vLLM IS C_max (vLLM only)."}
+    )
+    vllm_importance_sampling_clip_min: float | None = field(
+        default=None, metadata={"help": "vLLM IS C_min (vLLM only)."}
+    )
+    off_policy_mask_threshold: float | None = field(
+        default=None, metadata={"help": "Drop sequences with A < 0 and mean KL(π_old‖π_θ) above this. None: off."}
+    )
+    use_bias_correction_kl: bool = field(default=True, metadata={"help": "Multiply the KL term by the ratio w."})
+    log_completions_hub_repo: str | None = field(
+        default=None, metadata={"help": "Hub repo for completions (not implemented)."}
+    )
+    vllm_importance_sampling_cap: float | None = field(
+        default=None, metadata={"help": "Deprecated vLLM IS cap (vLLM only)."}
+    )
+
+    def __post_init__(self):
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        super().__post_init__()
+        for name, allowed in (
+            ("loss_type", LOSS_TYPES),
+            ("scale_rewards", ("group", "batch", "none")),
+            ("importance_sampling_level", ("token", "sequence")),
+            ("multi_objective_aggregation", ("sum_then_normalize", "normalize_then_sum")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}.")
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1].")
+
+
+class GRPOTrainer(OnlineTrainer):
+    """GRPO and its loss variants (see the module docstring). Same constructor as `trl.GRPOTrainer`."""
+
+    _name = "GRPO"
+    _tag_names = ["trl", "grpo", "trl_unified"]
+    _paper = PAPERS["grpo"]
+    config_class = GRPOConfig
+    loss_is_scaled_for_ga = True  # every loss type divides by the accumulation itself, as TRL does
+
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None,
+                 ref_model=None):  # fmt: skip
+        for name, value in (
+            ("tools", tools),
+            ("rollout_func", rollout_func),
+            ("environment_factory", environment_factory),
+        ):
+            if value is not None:
+                raise NotImplementedError(f"{name} is not supported by trl_unified's GRPOTrainer yet (agents and "
+                                          "custom rollouts); generation is the shared batched rollout.")  # fmt: skip
+        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+                         reward_processing_classes, callbacks, optimizers, quantization_config, peft_config,
+                         ref_model)  # fmt: skip
+        a = self.args
+        if a.loss_type == "luspo" and a.importance_sampling_level != "sequence":
+            logger.warning("When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'`.")
+        self.entropy_coef, self._last_world_entropy, self._entropy_window = a.entropy_coef, math.inf, None
+
+    def compute_advantages(self, rewards, rewards_per_func, batch: RolloutBatch, mode: str) -> torch.Tensor:
+        g = self.num_generations if mode == "train" else self.num_generations_eval
+        if self.args.multi_objective_aggregation == "normalize_then_sum":
+            grouped = rewards_per_func.view(-1, g, rewards_per_func.size(1))  # (P, G, F)
+            std = nanstd(grouped, dim=1).unsqueeze(1) if g > 1 else torch.zeros_like(grouped[:, :1])
+            normalised = ((grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (std + 1e-4)).view_as(
+                rewards_per_func
+            )
+            summed = (normalised * self.rewards.weights.to(rewards.device)).nansum(dim=1)
+            rewards = summed.masked_fill(torch.isnan(rewards), math.nan)
+            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+            advantages = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
+        else:
+            mean = torch.nanmean(rewards.view(-1, g), dim=1).repeat_interleave(g)
+            if self.args.scale_rewards == "batch":
+                std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+            else:  # "none" keeps the group std for the zero-std metric only
+                std = nanstd(rewards.view(-1, g), dim=1).repeat_interleave(g) if g > 1 else torch.zeros_like(rewards)
+            advantages = rewards - mean
+            if self.args.scale_rewards != "none":
+                advantages = advantages / (std + 1e-4)
+        self.log_metric("frac_reward_zero_std", torch.isclose(std, torch.zeros_like(std)).float().mean().item())
+        return torch.nan_to_num(advantages, nan=0.0)
+
+    def compute_policy_loss(self, model, inputs: RolloutBatch, num_items_in_batch=None):
+        a, mode, mask = self.args, "train" if self.model.training else "eval", inputs.completion_mask
+        input_ids, attention_mask, extra = inputs.model_inputs()
+        out = self.token_logprobs(model, input_ids, attention_mask, mask.size(1), compute_entropy=True,
+            entropy_requires_grad=a.entropy_coef != 0.0 or a.use_adaptive_entropy,
+                                  output_router_logits=self.aux_loss_enabled, **extra)  # fmt: skip
+        logps, entropies = out.logps, out.entropy
+        entropy_mask = self._high_entropy_mask(entropies, mask) if a.top_entropy_quantile < 1.0 else None
+        advantages = inputs.advantages.unsqueeze(1)  # (B, 1)
+        old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
+        log_ratio = logps - old
+        if a.importance_sampling_level == "sequence":
+            log_ratio_used = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (B, 1)
+        else:
+            log_ratio_used = log_ratio  # (B, C)
+        ratio = torch.exp(log_ratio_used)
+        low, high = 1 - a.epsilon, 1 + (a.epsilon_high if a.epsilon_high is not None else a.epsilon)
+        if a.loss_type == "cispo":
+            per_token_loss = -torch.clamp(ratio, max=high - 1).detach() * advantages * logps
+        elif a.loss_type == "sapo":
+            tau = torch.where(advantages > 0, a.sapo_temperature_pos, a.sapo_temperature_neg)
+            per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+        elif a.loss_type == "vespo":
+            phi = _vespo_weights(advantages, log_ratio, mask, a)
+            per_token_loss = -phi * advantages * logps
+        else:
+            clipped = torch.clamp(ratio, low, high)
+            ratio = torch.clamp(ratio, max=a.delta) if a.delta is not None else ratio  # two-sided: cap w itself
+            per_token_loss = -torch.min(ratio * advantages, clipped * advantages)
+        if a.off_policy_mask_threshold is not None:
+            seq_kl = ((old - logps.detach()) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
+            per_token_loss = per_token_loss * ((advantages >= 0) | (seq_kl <= a.off_policy_mask_threshold)).to(
+                mask.dtype
+            )
+        if entropy_mask is not None:
+            per_token_loss = per_token_loss * entropy_mask
+        if a.beta != 0.0:
+            diff = inputs.ref_logps - logps
+            per_token_kl = torch.exp(diff) - diff - 1  # k3 estimator of KL(π_θ ‖ π_ref)
+            if a.use_bias_correction_kl:
+                per_token_kl = per_token_kl * torch.exp(log_ratio_used)  # the uncapped ratio
+            per_token_loss = per_token_loss + a.beta * per_token_kl
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        loss = self._normalise(per_token_loss * mask, mask, inputs, accumulation, mode)
+        if a.entropy_coef != 0.0 or a.use_adaptive_entropy:
+            loss = self._entropy_bonus(
+                loss, entropies, mask if entropy_mask is None else mask * entropy_mask, accumulation, mode
+            )
+        if self.aux_loss_enabled and out.aux_loss is not None:
+            loss = loss + self.aux_coef * out.aux_loss / accumulation
+            self.log_metric("aux_loss", out.aux_loss.item())
+        self._log_loss_metrics(ratio, advantages, entropies, mask, per_token_kl if a.beta != 0.0 else None, low, high,
+                               phi if a.loss_type == "vespo" else None)  # fmt: skip
+        return loss
+
+    def _normalise(self, masked_loss, mask, inputs, accumulation, mode):
+        """The loss-type normalisation of the module docstring, scaled for gradient accumulation."""
+        loss_type = self.args.loss_type
+        if loss_type in ("grpo", "sapo"):
+            return (masked_loss.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
+        if loss_type == "bnpo":
+            return masked_loss.sum() / mask.sum().clamp(min=1.0) / accumulation
+        if loss_type == "dr_grpo":
+            return masked_loss.sum() / (masked_loss.size(0) * self.args.max_completion_length) / accumulation
+        if loss_type == "luspo":
+            return masked_loss.sum(-1).mean() / accumulation
+        normaliser = max(inputs.num_loss_tokens, 1.0) / self.accelerator.num_processes  # dapo, cispo, vespo
+        if mode == "train":  # N spans the generation batch: rescale it to one accumulation window
+            normaliser = normaliser * accumulation / self.args.steps_per_generation
+        return masked_loss.sum() / normaliser
+
+    def _high_entropy_mask(self, entropies, mask):
+        """Tokens whose entropy is at least the (1 - top_entropy_quantile) quantile over all processes' tokens."""
+        local = entropies[mask.bool()].float()
+        padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=-1e9)  # entropies are >= 0
+        values = gather(padded)
+        values = values[values != -1e9]
+        if values.numel() == 0:
+            return torch.zeros_like(mask, dtype=torch.bool)
+        threshold = torch.quantile(values, 1 - self.args.top_entropy_quantile)
+        return ((entropies * mask.float()) >= threshold) & mask.bool()
+
+    def _entropy_bonus(self, loss, entropies, mask, accumulation, mode):
+        """loss - coef * mean token entropy / GA; the adaptive coef moves by entropy_coef_delta per optimiser step."""
+        a = self.args
+        self.log_metric("policy_loss", gather(loss.detach()).nanmean().item())
+        coef = self.entropy_coef
+        if a.use_adaptive_entropy and self._last_world_entropy > a.entropy_target:
+            coef = 0.0
+        loss = loss - coef * (entropies * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
+        if a.use_adaptive_entropy and mode == "train":
+            stats = torch.stack([(entropies * mask).sum(), mask.sum()]).detach()
+            self._entropy_window = stats if self._entropy_window is None else self._entropy_window + stats
+            if self.accelerator.sync_gradients:
+                total = self.accelerator.reduce(self._entropy_window, reduction="sum")
+                self._last_world_entropy = (total[0] / total[1].clamp(min=1.0)).item()
+                step = a.entropy_coef_delta if self._last_world_entropy <= a.entropy_target else -a.entropy_coef_delta
+                self.entropy_coef = min(max(self.entropy_coef + step, a.entropy_coef_min), a.entropy_coef_max)
+                self._entropy_window = None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self.log_metric("entropy_coef", self.entropy_coef)
+        return loss
+
+    def _log_loss_metrics(self, ratio, advantages, entropies, mask, per_token_kl, low, high, phi):
+        def global_mean(x):  # token-weighted over (B, C), or per sequence for (B, 1)
+            s, n = (
+                (x.sum(), x.new_tensor(float(x.size(0)))) if x.size(1) == 1 else ((x * mask).sum(), mask.sum().float())
+            )
+            total = self.accelerator.reduce(torch.stack([s, n]), reduction="sum")
+            return (total[0] / total[1].clamp(min=1.0)).item()
+
+        def per_sequence(x):
+            return x.squeeze(1) if x.size(1) == 1 else (x * mask).sum(-1) / mask.sum(-1)
+
+        if per_token_kl is not None:
+            self.log_metric("kl", global_mean(per_token_kl))
+        self.log_metric("entropy", global_mean(entropies))
+        loss_type = self.args.loss_type
+        if loss_type == "cispo":
+            self.log_metric("cispo_clip_ratio", global_mean(((ratio > high - 1) & (advantages > 0)).float()))
+        elif loss_type == "vespo":
+            self.log_metric("vespo/phi_seq_mean", global_mean(phi))
+        elif loss_type != "sapo":
+            low_clip = ((ratio < low) & (advantages < 0)).float()
+            high_clip = ((ratio > high) & (advantages > 0)).float()
+            self.log_metric("clip_ratio/low_mean", global_mean(low_clip))
+            self.log_metric("clip_ratio/high_mean", global_mean(high_clip))
+            self.log_metric("clip_ratio/region_mean", global_mean(((low_clip + high_clip) > 0).float()))
+            self.log_metric("clip_ratio/low_min", _nan_extreme(gather(per_sequence(low_clip)), torch.min))
+            self.log_metric("clip_ratio/high_max", _nan_extreme(gather(per_sequence(high_clip)), torch.max))
+
+
+def _nan_extreme(x, reduce) -> float:
+    x = x[~torch.isnan(x)]
+    return reduce(x).item() if x.numel() else math.nan
+
+
+@torch.no_grad()
+def _vespo_weights(advantages, log_ratio, mask, a) -> torch.Tensor:
+    """phi(W) = e^lambda W^k e^(-lambda W) in log space, W = clamp(exp(sum_t clamp(log w_t))); `(B, 1)`, detached."""
+    floor = math.log(1e-8)
+    log_w = torch.clamp((torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True), floor, 20.0)
+    positive = advantages >= 0
+    k = torch.where(positive, a.vespo_k_pos, a.vespo_k_neg)
+    lam = torch.where(positive, a.vespo_lambda_pos, a.vespo_lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
