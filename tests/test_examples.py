@@ -93,4 +93,13 @@ def test_rloo_demo_output_dir_holds_only_the_trained_model(tmp_path):
         os.environ.pop("TRL_UNIFIED_CACHE")
     weights = sorted(str(p.relative_to(out)) for p in out.rglob("*.safetensors"))
     assert weights == ["model.safetensors"], weights
-    assert (cache / "rloo-demo-base-model" / "model.safetensors").exists()
+    assert (cache / "online-demo-base-model" / "model.safetensors").exists()
+
+
+def test_grpo_demo_trains_and_saves(tmp_path):
+    out = tmp_path / "grpo"
+    result = run_example("grpo.py", ["--max_steps", "10", "--logging_steps", "2", "--output_dir", str(out)], tmp_path)
+    assert "reward at start" in result.stdout
+    for name in ("model.safetensors", "tokenizer.json", "README.md", "reward_curve.png"):
+        assert (out / name).exists(), name
+    assert "GRPO" in (out / "README.md").read_text()

@@ -27,6 +27,7 @@ from .models import (
     model_id_of,
     prepare_peft_checkpointing,
 )
+from .papers import PAPERS
 from .reference import ReferenceModel
 
 
@@ -37,7 +38,7 @@ class PolicyTrainerBase(Trainer):
     """Base of every trl_unified trainer: model loading, reference model, generation, log-probs, evaluation with
     generative accuracy, metric logging, model cards.
 
-    A subclass sets `_name`, `_paper` (a `PAPERS` entry), `config_class`, and implements:
+    A subclass sets `_name` (its `PAPERS` entry and Hub tags follow from it) and `config_class`, and implements:
 
     - `compute_policy_loss(model, inputs, num_items_in_batch)` → loss tensor, or `(loss, model_outputs)`;
       record metrics with `self.log_metric(name, value)`.
@@ -50,6 +51,14 @@ class PolicyTrainerBase(Trainer):
     _tag_names: list[str] = ["trl_unified"]
     _paper: dict[str, str] | None = None
     config_class = PolicyConfig
+
+    def __init_subclass__(cls, **kwargs):
+        """A subclass names itself once (`_name = "RLOO"`): its Hub tags and its paper (`PAPERS["rloo"]`, if there
+        is one) follow, unless it sets `_tag_names` / `_paper` itself."""
+        super().__init_subclass__(**kwargs)
+        key = cls._name.lower()
+        cls._tag_names = cls.__dict__.get("_tag_names", ["trl", key, "trl_unified"])
+        cls._paper = cls.__dict__.get("_paper", PAPERS.get(key))
 
     def __init__(
         self,
@@ -261,7 +270,11 @@ class PolicyTrainerBase(Trainer):
         Lines under `output_dir/eval_records/`, gathered from all processes in dataset order.
         """
         names = column_names(dataset)
-        if not self.args.generative_eval or dataset is None or (names is not None and not self._has_reference(names)):
+        if (
+            not self.args.generative_eval
+            or dataset is None
+            or (names is not None and not self._has_reference_answers(names))
+        ):
             return {}
         local = [(i, row) for i, row in self._local_eval_rows(dataset) if self.reference_answer(row) is not None]
         prompts = [self.eval_prompt(row) for _, row in local]
@@ -308,7 +321,7 @@ class PolicyTrainerBase(Trainer):
             self._write_records(records, metric_key_prefix)
         return metrics
 
-    def _has_reference(self, names: list[str]) -> bool:
+    def _has_reference_answers(self, names: list[str]) -> bool:
         return self.args.eval_answer_field in names
 
     def _write_records(self, records: list[dict], prefix: str) -> None:

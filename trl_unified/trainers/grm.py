@@ -30,7 +30,6 @@ from ..base.data import (
     split_prompt_completion,
     tokenize_prompt_completion,
 )
-from ..base.papers import PAPERS
 from ..base.trainer import PolicyTrainerBase
 
 
@@ -95,8 +94,6 @@ class GRMTrainer(PolicyTrainerBase):
     """Train a generative reward model (see the module docstring). Same constructor as `trl.SFTTrainer`."""
 
     _name = "GRM"
-    _tag_names = ["trl", "grm", "trl_unified"]
-    _paper = PAPERS["grm"]
     config_class = GRMConfig
 
     def __init__(
@@ -238,7 +235,7 @@ class GRMTrainer(PolicyTrainerBase):
         text = completion[-1]["content"] if is_conversational_prompt(completion) else completion
         return extract_answer(text if isinstance(text, str) else str(text), self.args.answer_extractor)
 
-    def _has_reference(self, names):
+    def _has_reference_answers(self, names):
         return self.args.eval_answer_field in names or {"prompt", "completion"} <= set(names) or "messages" in names
 
 

@@ -44,7 +44,6 @@ from accelerate.utils import gather
 
 from ..base.config import document_fields
 from ..base.online import OnlineConfig, OnlineTrainer, RolloutBatch, nanstd
-from ..base.papers import PAPERS
 
 
 logger = logging.getLogger(__name__)
@@ -154,8 +153,6 @@ class GRPOTrainer(OnlineTrainer):
     """GRPO and its loss variants (see the module docstring). Same constructor as `trl.GRPOTrainer`."""
 
     _name = "GRPO"
-    _tag_names = ["trl", "grpo", "trl_unified"]
-    _paper = PAPERS["grpo"]
     config_class = GRPOConfig
     loss_is_scaled_for_ga = True  # every loss type divides by the accumulation itself, as TRL does
 

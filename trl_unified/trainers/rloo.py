@@ -27,7 +27,6 @@ from accelerate.utils import gather
 
 from ..base.config import document_fields
 from ..base.online import OnlineConfig, OnlineTrainer, RolloutBatch, _model_image_inputs, nanstd
-from ..base.papers import PAPERS
 
 
 __all__ = ["RLOOConfig", "RLOOTrainer", "rloo_advantages", "nanstd", "_model_image_inputs"]
@@ -72,8 +71,6 @@ class RLOOTrainer(OnlineTrainer):
     """REINFORCE Leave-One-Out (see the module docstring for the maths). Same constructor as `trl.RLOOTrainer`."""
 
     _name = "RLOO"
-    _tag_names = ["trl", "rloo", "trl_unified"]
-    _paper = PAPERS["rloo"]
     config_class = RLOOConfig
     loss_is_scaled_for_ga = False  # per-micro-batch mean: the Trainer divides by gradient accumulation
 

@@ -1,0 +1,174 @@
+"""Speed and memory of an online trainer of trl_unified (RLOO or GRPO) vs TRL's of the same name, same workload,
+in one run. `benchmarks/rloo_vs_trl.py` and `benchmarks/grpo_vs_trl.py` call this with their trainer.
+
+Workload: a Qwen2-style ~35M-parameter model built locally (random weights, 8k word-level vocabulary), batch 8,
+num_generations 4, 32 new tokens, beta 0.05, 10 steps, gradient checkpointing off, fp32 on CPU. Each trainer runs in
+its own fresh subprocess (so peak RSS is its own), TRL first, then ours. Reported: median seconds per step (first
+step excluded), generated tokens per second, peak RSS, and the ratios ours / TRL's on the last line:
+
+    ratio step_time=0.63 peak_rss=0.81
+
+Usage: python benchmarks/{rloo,grpo}_vs_trl.py [--threads 2] [--steps 10] [--repeats 1]
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def build_model(path: str) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trl_unified.testing import build_tokenizer
+
+    words = [f"w{i}" for i in range(8180)]
+    tokenizer = build_tokenizer(words=words)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=9,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    import torch
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, vocab {len(tokenizer)}")
+
+
+def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str) -> None:
+    """Train `steps` steps of `trainer` ("rloo"/"grpo") with `impl` ("trl" or "ours"); timings to `out`."""
+    import torch
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast, TrainerCallback
+
+    library = __import__("trl" if impl == "trl" else "trl_unified")
+    name = {"rloo": "RLOO", "grpo": "GRPO"}[trainer]
+    config_class, trainer_class = getattr(library, f"{name}Config"), getattr(library, f"{name}Trainer")
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
+    prompts = [" ".join(f"w{(i * 37 + j * 11) % 8000}" for j in range(8 + i % 9)) for i in range(256)]
+
+    def reward(completions, **kwargs):
+        return [c.count("w1") / max(1, len(c.split())) for c in completions]
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.times = []
+
+        def on_step_begin(self, *args, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *args, **kwargs):
+            self.times.append(time.perf_counter() - self.start)
+
+    timer = Timer()
+    args = config_class(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=32,
+        beta=0.05,
+        max_steps=steps,
+        learning_rate=1e-6,
+        logging_steps=1,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        gradient_checkpointing=False,
+        seed=0,
+        temperature=1.0,
+    )
+    policy_trainer = trainer_class(
+        model_path,
+        reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
+    policy_trainer.train()
+    history = policy_trainer.state.log_history
+    lengths = [log["completions/mean_length"] for log in history if "completions/mean_length" in log]
+    json.dump(
+        {
+            "times": timer.times,
+            "mean_completion_length": statistics.mean(lengths),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "threads": torch.get_num_threads(),
+        },
+        open(out, "w"),
+    )
+
+
+def main(trainer: str):
+    parser = argparse.ArgumentParser(description=f"{trainer.upper()}: trl_unified vs TRL on the same workload")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=1, help="alternate TRL/ours this many times; medians reported")
+    parser.add_argument("--child", nargs=3, metavar=("IMPL", "MODEL", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        run_one(trainer, args.child[0], args.child[1], args.steps, args.child[2])
+        return
+
+    workdir = tempfile.mkdtemp()
+    model_path = os.path.join(workdir, "model")
+    build_model(model_path)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    results = {"trl": [], "ours": []}
+    for _ in range(args.repeats):
+        for impl in ("trl", "ours"):
+            out = os.path.join(workdir, f"{impl}.json")
+            cmd = [
+                sys.executable,
+                sys.argv[0],
+                "--threads",
+                str(args.threads),
+                "--steps",
+                str(args.steps),
+                "--child",
+                impl,
+                model_path,
+                out,
+            ]
+            subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            results[impl].append(json.load(open(out)))
+
+    summary = {}
+    for impl, runs in results.items():
+        step = statistics.median(statistics.median(r["times"][1:]) for r in runs)
+        tokens = 8 * statistics.median(r["mean_completion_length"] for r in runs)
+        rss = statistics.median(r["peak_rss_mb"] for r in runs)
+        summary[impl] = (step, tokens / step, rss)
+        print(
+            f"{impl:>5}: {step:.3f} s/step (median, first step excluded), {tokens / step:.0f} generated tokens/s, "
+            f"peak RSS {rss:.0f} MB  [{args.threads} threads, {args.steps} steps, {args.repeats} run(s)]"
+        )
+    print(
+        f"ratio step_time={summary['ours'][0] / summary['trl'][0]:.2f} "
+        f"peak_rss={summary['ours'][2] / summary['trl'][2]:.2f}"
+    )
