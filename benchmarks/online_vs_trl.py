@@ -51,7 +51,7 @@ def build_model(path: str) -> None:
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, vocab {len(tokenizer)}")
 
 
-def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str) -> None:
+def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, workload: dict) -> None:
     """Train `steps` steps of `trainer` ("rloo"/"grpo") with `impl` ("trl" or "ours"); timings to `out`."""
     import torch
     from datasets import Dataset
@@ -62,7 +62,8 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str) -> N
     config_class, trainer_class = getattr(library, f"{name}Config"), getattr(library, f"{name}Trainer")
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
-    prompts = [" ".join(f"w{(i * 37 + j * 11) % 8000}" for j in range(8 + i % 9)) for i in range(256)]
+    words = workload["prompt_words"]  # prompt lengths vary from `words` to `words + 8` words
+    prompts = [" ".join(f"w{(i * 37 + j * 11) % 8000}" for j in range(words + i % 9)) for i in range(256)]
 
     def reward(completions, **kwargs):
         return [c.count("w1") / max(1, len(c.split())) for c in completions]
@@ -80,8 +81,8 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str) -> N
     timer = Timer()
     args = config_class(
         output_dir=tempfile.mkdtemp(),
-        per_device_train_batch_size=8,
-        num_generations=4,
+        per_device_train_batch_size=workload["batch_size"],
+        num_generations=workload["num_generations"],
         max_completion_length=32,
         beta=0.05,
         max_steps=steps,
@@ -93,6 +94,7 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str) -> N
         gradient_checkpointing=False,
         seed=0,
         temperature=1.0,
+        **({} if impl == "trl" or workload["shared_prefix"] is None else {"shared_prefix": workload["shared_prefix"]}),
     )
     policy_trainer = trainer_class(
         model_path,
@@ -121,13 +123,23 @@ def main(trainer: str):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=1, help="alternate TRL/ours this many times; medians reported")
+    parser.add_argument("--prompt_words", type=int, default=8, help="shortest prompt, in words (longest: +8)")
+    parser.add_argument("--batch_size", type=int, default=8, help="per_device_train_batch_size")
+    parser.add_argument("--num_generations", type=int, default=4)
+    parser.add_argument("--shared_prefix", choices=["auto", "false"], default=None, help="ours only (default: auto)")
     parser.add_argument("--child", nargs=3, metavar=("IMPL", "MODEL", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         import torch
 
         torch.set_num_threads(args.threads)
-        run_one(trainer, args.child[0], args.child[1], args.steps, args.child[2])
+        workload = {
+            "prompt_words": args.prompt_words,
+            "batch_size": args.batch_size,
+            "num_generations": args.num_generations,
+            "shared_prefix": {None: None, "auto": "auto", "false": False}[args.shared_prefix],
+        }
+        run_one(trainer, args.child[0], args.child[1], args.steps, args.child[2], workload)
         return
 
     workdir = tempfile.mkdtemp()
@@ -150,6 +162,13 @@ def main(trainer: str):
                 str(args.threads),
                 "--steps",
                 str(args.steps),
+                "--prompt_words",
+                str(args.prompt_words),
+                "--batch_size",
+                str(args.batch_size),
+                "--num_generations",
+                str(args.num_generations),
+                *(["--shared_prefix", args.shared_prefix] if args.shared_prefix else []),
                 "--child",
                 impl,
                 model_path,
@@ -161,12 +180,13 @@ def main(trainer: str):
     summary = {}
     for impl, runs in results.items():
         step = statistics.median(statistics.median(r["times"][1:]) for r in runs)
-        tokens = 8 * statistics.median(r["mean_completion_length"] for r in runs)
+        tokens = args.batch_size * statistics.median(r["mean_completion_length"] for r in runs)
         rss = statistics.median(r["peak_rss_mb"] for r in runs)
         summary[impl] = (step, tokens / step, rss)
         print(
             f"{impl:>5}: {step:.3f} s/step (median, first step excluded), {tokens / step:.0f} generated tokens/s, "
-            f"peak RSS {rss:.0f} MB  [{args.threads} threads, {args.steps} steps, {args.repeats} run(s)]"
+            f"peak RSS {rss:.0f} MB  [{args.threads} threads, {args.steps} steps, {args.repeats} run(s), "
+            f"bs {args.batch_size}, G {args.num_generations}, prompts {args.prompt_words}+ words]"
         )
     print(
         f"ratio step_time={summary['ours'][0] / summary['trl'][0]:.2f} "

@@ -10,6 +10,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase, ProcessorMixin
 
 from .data import is_conversational_prompt, pad
+from .prefix import cache_kwarg, encode_prefix, group_prompts
 
 
 @dataclass
@@ -291,6 +292,25 @@ def _check_fits_positions(model, encoded, generation_config) -> None:
         )
 
 
+def _generate_chunk(model, chunk: dict[str, Any], generation_config, share_prefix: bool) -> torch.Tensor:
+    """`model.generate` on one chunk; with `share_prefix`, each distinct prompt is prefilled once (see base/prefix.py).
+
+    The prefill covers every prompt position but the last, with the positions `generate` itself derives from the
+    attention mask, so `generate` continues from the cache exactly as it would have from its own prefill."""
+    groups = None
+    cache_implementation = getattr(generation_config, "cache_implementation", None)
+    if share_prefix and set(chunk) == {"input_ids", "attention_mask"} and cache_implementation is None:
+        groups = group_prompts(chunk["input_ids"], chunk["attention_mask"])
+    if groups is None:
+        return model.generate(**chunk, generation_config=generation_config)
+    ids, mask = chunk["input_ids"], chunk["attention_mask"]
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as GenerationMixin derives them
+    cache = encode_prefix(model, ids, mask, ids.size(1) - 1, groups, position_ids=positions)
+    return model.generate(
+        input_ids=ids, attention_mask=mask, generation_config=generation_config, **{cache_kwarg(model): cache}
+    )
+
+
 def cut_after_eos(completion_ids: torch.Tensor, eos_token_ids: Sequence[int], pad_token_id: int):
     """Mask (and pad) every token after the first EOS of each row; the EOS itself is kept.
 
@@ -318,6 +338,7 @@ def generate_batched(
     pad_to_multiple_of: int | None = None,
     chat_template_kwargs: dict | None = None,
     eos_token_ids: Sequence[int] | None = None,
+    share_prefix: bool = False,
 ) -> GenerationOutput:
     """Generate completions for many prompts in batches of `batch_size`, with left padding.
 
@@ -351,6 +372,10 @@ def generate_batched(
             Extra arguments for `apply_chat_template`.
         eos_token_ids (`list[int]`, *optional*):
             Tokens that end a completion. Defaults to `get_eos_token_ids(model, processing_class)`.
+        share_prefix (`bool`, *optional*, defaults to `False`):
+            Prefill each distinct prompt of a chunk once and expand its KV cache to the rows that repeat it (e.g. the
+            G completions of a group), then decode every row; greedy results equal the plain path. Chunks with image
+            inputs, encoder-decoder models and a non-dynamic `cache_implementation` take the plain path.
 
     Returns:
         `GenerationOutput`, rows in the order of `prompts`.
@@ -387,7 +412,7 @@ def generate_batched(
             generation_config.decoder_start_token_id = unwrapped.config.decoder_start_token_id
         for start in range(0, len(encoded), batch_size):
             chunk = _collate_chunk(encoded[start : start + batch_size], pad_token_id, pad_to_multiple_of, device)
-            sequences = unwrapped.generate(**chunk, generation_config=generation_config)
+            sequences = _generate_chunk(unwrapped, chunk, generation_config, share_prefix and not is_encoder_decoder)
             # decoder-only: drop the prompt; encoder-decoder: drop the decoder start token
             new_tokens = sequences[:, 1:] if is_encoder_decoder else sequences[:, chunk["input_ids"].size(1) :]
             completions.extend(new_tokens.cpu())

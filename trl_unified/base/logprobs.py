@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .prefix import cache_kwarg, encode_prefix, group_prompts
+
 
 # Rows per log-softmax chunk are chosen so one chunk's float32 logits stay under this many elements.
 _CHUNK_ELEMENTS = 2**25
@@ -64,6 +66,7 @@ def compute_token_logprobs(
     entropy_requires_grad: bool = False,
     batch_size: int | None = None,
     output_router_logits: bool = False,
+    share_prompt: bool = False,
     **forward_kwargs,
 ) -> TokenLogprobs:
     """Log-probs of the last `logits_to_keep` tokens of `input_ids` under `model`, logits divided by `temperature`.
@@ -83,6 +86,10 @@ def compute_token_logprobs(
             (an entropy bonus in the loss); otherwise they are computed without grad, for logging and masks.
         batch_size (`int`, *optional*): rows per forward pass; all rows at once by default.
         output_router_logits (`bool`, *optional*, defaults to `False`): return the MoE load-balancing loss.
+        share_prompt (`bool`, *optional*, defaults to `False`): encode each distinct prompt (`input_ids[:, :-C]`) of a
+            chunk once and reuse its KV cache for the rows that repeat it (see `base/prefix.py`); same log-probs and,
+            under grad, same gradients as the plain forward, less compute when prompts repeat. The caller decides
+            whether the model supports it (`prefix.unsupported_reason`).
         **forward_kwargs (`Any`): other model inputs with a leading batch dimension (e.g. `token_type_ids`), or, for
             vision-language models, the full image tensors (then `batch_size` must cover the whole batch).
 
@@ -107,9 +114,27 @@ def compute_token_logprobs(
         }
         if output_router_logits:
             kwargs["output_router_logits"] = True
-        outputs = model(
-            input_ids=input_ids[rows], attention_mask=attention_mask[rows], logits_to_keep=logits_to_keep + 1, **kwargs
-        )
+        prompt_length = input_ids.size(1) - logits_to_keep
+        groups = None
+        if share_prompt:
+            groups = group_prompts(input_ids[rows, :prompt_length], attention_mask[rows, :prompt_length])
+        if groups is None:
+            outputs = model(
+                input_ids=input_ids[rows],
+                attention_mask=attention_mask[rows],
+                logits_to_keep=logits_to_keep + 1,
+                **kwargs,
+            )
+        else:  # the prompt but its last token once per group; that token and the completion per row, on the cache
+            cache = encode_prefix(model, input_ids[rows], attention_mask[rows], prompt_length - 1, groups)
+            outputs = model(
+                input_ids=input_ids[rows, prompt_length - 1 :],
+                attention_mask=attention_mask[rows],
+                use_cache=True,
+                logits_to_keep=logits_to_keep + 1,
+                **kwargs,
+                **{cache_kwarg(model): cache},
+            )
         logits = outputs.logits[:, -(logits_to_keep + 1) : -1, :]  # (b, C, V): position t predicts token t + 1
         if temperature != 1.0:
             logits = logits / temperature

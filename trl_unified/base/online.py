@@ -27,6 +27,7 @@ from trl import SyncRefModelCallback, is_conversational, prepare_multimodal_mess
 from .config import PolicyConfig
 from .data import RepeatSampler, get_images, require_columns
 from .generation import max_positions, prompt_lengths
+from .prefix import report_fallback, unsupported_reason
 from .reference import prepare_frozen_model
 from .rewards import RewardFunctions
 from .trainer import PolicyTrainerBase
@@ -157,6 +158,16 @@ class OnlineConfig(PolicyConfig):
         default=None, metadata={"help": "ContinuousBatchingConfig kwargs (not implemented)."}
     )
     use_transformers_paged: bool = field(default=False, metadata={"help": "Deprecated alias of continuous batching."})
+    shared_prefix: bool | str = field(
+        default="auto",
+        metadata={
+            "help": "trl_unified only. Encode each prompt once per group of completions (Prefix Grouper, "
+            "arXiv:2506.05433) in generation, the reference / old-log-prob forwards and the policy forward with grad: "
+            "the same numbers with less compute. 'auto': wherever the model and inputs allow it (decoder-only, no "
+            "image inputs, no gradient checkpointing in the grad pass; an info log line names any fallback); True: "
+            "the same, but an unsupported model raises at construction; False: off."
+        },
+    )
     strict_rewards: bool = field(
         default=False,
         metadata={
@@ -173,6 +184,10 @@ class OnlineConfig(PolicyConfig):
                 self.pad_to_multiple_of = 128 if self.device.type == "neuron" else None
             else:
                 self.pad_to_multiple_of = None if value in ("none", "null") else int(value)
+        if isinstance(self.shared_prefix, str) and self.shared_prefix.lower() in ("true", "false"):
+            self.shared_prefix = self.shared_prefix.lower() == "true"  # from the command line
+        if self.shared_prefix not in ("auto", True, False):
+            raise ValueError(f"shared_prefix={self.shared_prefix!r} must be 'auto', True or False.")
         self._check_batch_layout()
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations={self.num_iterations} must be >= 1.")
@@ -366,6 +381,7 @@ class OnlineTrainer(PolicyTrainerBase):
             self.rewards.funcs[i] = prepare_frozen_model(reward_model.requires_grad_(False), self.accelerator)
         self._setup_aux_loss()
         self._check_prompt_lengths()
+        self._check_shared_prefix_support()
         self._step, self._buffer, self._step_time = 0, None, 0.0
         size = self.args.generation_batch_size
         self._logs = {
@@ -449,10 +465,38 @@ class OnlineTrainer(PolicyTrainerBase):
         raise NotImplementedError(f"{type(self).__name__} must implement compute_advantages.")
 
     def generation_options(self) -> dict[str, Any]:
+        with torch.no_grad():  # generation runs without grad (and with checkpointing off)
+            share = self._shares_prompts(self.model, "generation")
         return {
+            "share_prefix": share,
             "gather_deepspeed3_params": self.args.ds3_gather_for_generation,
             "pad_to_multiple_of": self.args.pad_to_multiple_of,
         }
+
+    def token_logprobs(self, model, input_ids, attention_mask, logits_to_keep, **kwargs):
+        """The base's log-probs, encoding each repeated prompt once where `shared_prefix` allows it."""
+        extra = {k: v for k, v in kwargs.items() if k not in _LOGPROB_OPTIONS}
+        share = self._shares_prompts(model, "log-prob forward", extra, kwargs.get("output_router_logits", False))
+        return super().token_logprobs(model, input_ids, attention_mask, logits_to_keep, share_prompt=share, **kwargs)
+
+    def _shares_prompts(self, model, where: str, extra=None, router_logits: bool = False) -> bool:
+        if self.args.shared_prefix is False:
+            return False
+        reason = unsupported_reason(model, extra)
+        if reason is None and router_logits:
+            reason = "the MoE load-balancing loss is computed over every row's tokens"
+        if reason is not None:
+            report_fallback(where, reason)
+        return reason is None
+
+    def _check_shared_prefix_support(self) -> None:
+        if self.args.shared_prefix is True:
+            with torch.no_grad():
+                reason = unsupported_reason(self.model)
+            if reason is None and self.args.gradient_checkpointing:
+                reason = "gradient checkpointing drops the KV cache in a forward with grad"
+            if reason is not None:
+                raise ValueError(f"shared_prefix=True, but {reason}. Use shared_prefix='auto' (falls back) or False.")
 
     # ------------------------------------------------------------------ datasets
     def prepare_dataset(self, dataset, processing_class, args, name):
@@ -783,6 +827,9 @@ class OnlineTrainer(PolicyTrainerBase):
                     [self.state.global_step, str(p), str(c), r, *[e.get(k) for k in columns]] for p, c, r, e in rows
                 ]
                 wandb.log({"completions": wandb.Table(columns=names, data=data)})
+
+
+_LOGPROB_OPTIONS = {"compute_entropy", "entropy_requires_grad", "batch_size", "output_router_logits"}
 
 
 def _identity(rows):

@@ -1,0 +1,155 @@
+"""Shared-prefix encoding (`base/prefix.py`) against the plain path: same log-probs, same gradients, same greedy
+generations, with left padding, repeated and distinct prompts in one batch."""
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from trl_unified import compute_token_logprobs, generate_batched
+from trl_unified.base.prefix import group_prompts, unsupported_reason
+from trl_unified.testing import build_causal_lm
+
+
+def test_group_prompts_by_ids_and_padding():
+    ids = torch.tensor([[0, 5, 6], [7, 8, 9], [0, 5, 6], [5, 5, 6], [7, 8, 9]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]])
+    first, inverse = group_prompts(ids, mask)
+    torch.testing.assert_close(ids[first][inverse], ids)
+    assert inverse.tolist()[0] == inverse.tolist()[2] and inverse.tolist()[1] == inverse.tolist()[4]
+    assert len(first) == 3 and sorted(first.tolist()) == [0, 1, 3]  # the first row of each distinct prompt
+    assert group_prompts(ids[:2], mask[:2]) is None  # all distinct: nothing to share
+    assert group_prompts(ids[:, :1], mask[:, :1]) is None  # one-token prompts: nothing before the last token
+
+
+def _batch(tokenizer, arch="llama"):
+    """4 groups of 3 rows: two prompt lengths (left padding), one prompt twice as two groups (not contiguous)."""
+    prompts = ["a b c d e", "f g", "a b c d e", "h i j"]
+    enc = tokenizer([p for p in prompts for _ in range(3)], padding=True, padding_side="left", return_tensors="pt")
+    torch.manual_seed(0)
+    completion = torch.randint(5, len(tokenizer), (12, 6))
+    completion_mask = torch.ones_like(completion)
+    completion_mask[::4, 3:] = 0  # some completions end early
+    ids = torch.cat([enc["input_ids"], completion], 1)
+    mask = torch.cat([enc["attention_mask"], completion_mask], 1)
+    return ids, mask, completion.size(1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_shared_prefix_logprobs_and_gradients_equal_the_plain_forward(arch, tokenizer):
+    model = build_causal_lm(tokenizer, arch)
+    ids, mask, k = _batch(tokenizer)
+    results = {}
+    for share in (False, True):
+        model.zero_grad()
+        out = compute_token_logprobs(model, ids, mask, k, compute_entropy=True, share_prompt=share)
+        ((out.logps * mask[:, -k:]).sum() * 0.1).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[share] = (out.logps.detach(), out.entropy, grads)
+    plain, shared = results[False], results[True]
+    valid = mask[:, -k:].bool()
+    torch.testing.assert_close(shared[0][valid], plain[0][valid], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shared[1][valid], plain[1][valid], rtol=1e-5, atol=1e-5)
+    assert shared[2].keys() == plain[2].keys() and len(plain[2]) == len(list(model.parameters()))
+    for name, grad in plain[2].items():
+        torch.testing.assert_close(shared[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_shared_prefix_in_chunks_equals_plain(tokenizer):
+    model = build_causal_lm(tokenizer, "llama")
+    ids, mask, k = _batch(tokenizer)
+    with torch.no_grad():
+        plain = compute_token_logprobs(model, ids, mask, k, batch_size=5).logps
+        shared = compute_token_logprobs(model, ids, mask, k, batch_size=5, share_prompt=True).logps
+    valid = mask[:, -k:].bool()
+    torch.testing.assert_close(shared[valid], plain[valid], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch_size", [None, 4])
+def test_shared_prefix_generation_equals_plain_greedy(tokenizer, batch_size):
+    model = build_causal_lm(tokenizer, "qwen2")
+    prompts = [p for p in ["a b c d e", "f g", "h i j", "f g"] for _ in range(3)]
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    plain = generate_batched(model, tokenizer, prompts, config, batch_size=batch_size)
+    shared = generate_batched(model, tokenizer, prompts, config, batch_size=batch_size, share_prefix=True)
+    assert shared.texts == plain.texts
+    torch.testing.assert_close(shared.completion_ids, plain.completion_ids)
+
+
+def test_sampled_generation_with_shared_prefix_is_reproducible_and_distinct_per_row(tokenizer):
+    model = build_causal_lm(tokenizer, "qwen2")
+    prompts = ["a b c"] * 4
+    config = GenerationConfig(max_new_tokens=8, do_sample=True, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    first = generate_batched(model, tokenizer, prompts, config, share_prefix=True).texts
+    torch.manual_seed(0)
+    assert generate_batched(model, tokenizer, prompts, config, share_prefix=True).texts == first
+    assert len(set(first)) > 1  # each row samples its own continuation from the shared cache
+
+
+def test_unsupported_models_and_inputs_are_named(tokenizer):
+    from trl_unified.testing import build_encoder_decoder
+
+    assert unsupported_reason(build_causal_lm(tokenizer, "llama")) is None
+    assert "encoder-decoder" in unsupported_reason(build_encoder_decoder(tokenizer))
+    assert "pixel_values" in unsupported_reason(build_causal_lm(tokenizer, "llama"), {"pixel_values": 1})
+    model = build_causal_lm(tokenizer, "llama")
+    model.gradient_checkpointing_enable()
+    assert "gradient checkpointing" in unsupported_reason(model)
+    with torch.no_grad():
+        assert unsupported_reason(model) is None  # no grad: checkpointing keeps the cache
+
+
+# ------------------------------------------------------------------ in the online trainers
+def _train(path, tmp_path, trainer_class, config_class, **config):
+    from tests.helpers import prompt_dataset, varied_reward
+
+    args = config_class(
+        output_dir=str(tmp_path / str(config.get("shared_prefix"))), per_device_train_batch_size=8,
+        num_generations=4, max_completion_length=6, learning_rate=1e-2, logging_steps=1, bf16=False,
+        report_to=[], save_strategy="no", seed=0, **{"gradient_checkpointing": False, "max_steps": 2, **config},
+    )  # fmt: skip
+    trainer = trainer_class(path, varied_reward, args=args, train_dataset=prompt_dataset())
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("name", ["RLOO", "GRPO"])
+def test_trainers_share_prompts_by_default_with_the_plain_numbers(name, llama_path, tmp_path, monkeypatch):
+    import trl_unified
+    import trl_unified.base.generation as generation
+    import trl_unified.base.logprobs as logprobs
+
+    calls = []
+    for module in (generation, logprobs):
+        original = module.encode_prefix
+        monkeypatch.setattr(module, "encode_prefix", lambda *a, _o=original, **k: calls.append(1) or _o(*a, **k))
+    trainer_class, config_class = getattr(trl_unified, f"{name}Trainer"), getattr(trl_unified, f"{name}Config")
+    # beta > 0: generation, the reference forward and the policy forward with grad all run on shared prompts
+    shared = _train(llama_path, tmp_path, trainer_class, config_class, beta=0.1, shared_prefix="auto")
+    assert len(calls) >= 6, calls  # 2 steps x (generation + reference + policy)
+    count = len(calls)
+    plain = _train(llama_path, tmp_path, trainer_class, config_class, beta=0.1, shared_prefix=False)
+    assert len(calls) == count  # off means off
+    for key in ("loss", "kl", "entropy", "reward"):
+        ours = [log[key] for log in shared.state.log_history if key in log]
+        ref = [log[key] for log in plain.state.log_history if key in log]
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=1e-4, atol=1e-5, msg=key)
+    for (n, p), q in zip(shared.model.named_parameters(), plain.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_fallbacks_are_logged_and_forced_sharing_is_checked(llama_path, tmp_path, caplog, monkeypatch):
+    import logging
+
+    import trl_unified.base.prefix as prefix
+    from trl_unified import GRPOConfig, GRPOTrainer
+
+    monkeypatch.setattr(prefix, "_reported", set())  # each reason is logged once per process
+
+    with caplog.at_level(logging.INFO, logger="trl_unified.base.prefix"):
+        _train(llama_path, tmp_path, GRPOTrainer, GRPOConfig, gradient_checkpointing=True, max_steps=1)
+    assert "log-prob forward runs without prompt sharing because gradient checkpointing" in caplog.text
+    with pytest.raises(ValueError, match="shared_prefix=True, but gradient checkpointing"):
+        _train(llama_path, tmp_path, GRPOTrainer, GRPOConfig, gradient_checkpointing=True, shared_prefix=True)
+    with pytest.raises(ValueError, match="shared_prefix='maybe' must be 'auto', True or False"):
+        GRPOConfig(output_dir=str(tmp_path), shared_prefix="maybe", bf16=False)

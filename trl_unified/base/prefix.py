@@ -1,0 +1,109 @@
+"""Shared-prefix encoding: rows that repeat a prompt (the G completions of an online group) encode it once.
+
+Prefix Grouper (Liu et al., 2025, arXiv:2506.05433): running the shared prompt once and reusing its key/value cache for
+every completion gives the same outputs, and, since autograd flows back through the cache, the same gradients, as
+running each row on its own, while the prompt's compute is paid once per distinct prompt instead of once per row.
+Only the public transformers API is used (`past_key_values`, `DynamicCache.batch_select_indices`, attention masks
+that cover past + new tokens), so any decoder-only model with a dynamic KV cache can take this path.
+"""
+
+import inspect
+import logging
+
+import torch
+
+
+logger = logging.getLogger(__name__)
+_reported: set[tuple[str, str]] = set()
+
+
+def group_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows that share a prompt, as `(first, inverse)`: `first` `(U,)` is the first row of each distinct prompt and
+    `inverse` `(B,)` the distinct prompt of each row, so that `x[first][inverse]` equals `x` on the prompt positions.
+
+    Prompts are equal when their ids and their padding are. Returns None when every prompt is distinct (nothing to
+    share) or the prompts are a single token (nothing before the last token to cache).
+
+    Example:
+    ```python
+    >>> ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9]]); mask = (ids != 0).long()
+    >>> group_prompts(ids, mask)
+    (tensor([0, 2]), tensor([0, 0, 1]))
+    ```
+    """
+    if prompt_ids.size(1) < 2:
+        return None
+    keys = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
+    _, inverse = torch.unique(keys, dim=0, return_inverse=True)  # (B,)
+    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    if num_groups == prompt_ids.size(0):
+        return None
+    rows = torch.arange(prompt_ids.size(0), device=prompt_ids.device)
+    first = torch.full((num_groups,), prompt_ids.size(0), device=prompt_ids.device, dtype=torch.long)
+    first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # (U,)
+    return first, inverse
+
+
+def encode_prefix(model, input_ids, attention_mask, length: int, groups, position_ids=None):
+    """The KV cache of the first `length` positions, computed once per distinct prompt and indexed out to every row.
+
+    Args:
+        model: a decoder-only model (or a DDP / PEFT wrapper) whose forward takes `use_cache` and `logits_to_keep`.
+        input_ids, attention_mask (`torch.LongTensor`): `(B, T)`; rows of a group must be equal on `[:length]`.
+        length (`int`): how many leading positions to cache.
+        groups: `(first, inverse)` from `group_prompts`.
+        position_ids (`torch.LongTensor`, *optional*): `(B, T)` positions (generation derives them from the mask);
+            the model's default (`cache_position`) otherwise.
+
+    Returns:
+        A `Cache` with `B` rows. Under grad, the index from U to B rows is part of the graph, so the backward of
+        every row's loss flows into one prompt pass per group.
+    """
+    first, inverse = groups
+    kwargs = {} if position_ids is None else {"position_ids": position_ids[first, :length]}
+    # The bare module: a DDP / DeepSpeed wrapper expects one forward per backward, and the row pass that follows
+    # is that forward; gradients of both passes reach the parameters through autograd all the same.
+    out = (model.module if hasattr(model, "module") else model)(
+        input_ids=input_ids[first, :length],
+        attention_mask=attention_mask[first, :length],
+        use_cache=True,
+        logits_to_keep=1,  # the prefix's logits are not needed
+        **kwargs,
+    )
+    cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...)
+    return cache
+
+
+def cache_kwarg(model) -> str:
+    """The name under which `model.forward` / `generate` take a KV cache: `cache` (transformers >= 5.2x), else the
+    older `past_key_values`."""
+    base = model.module if hasattr(model, "module") else model
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def unsupported_reason(model, extra_inputs: dict | None = None) -> str | None:
+    """Why `model` (or these inputs) cannot take the shared-prefix path, or None when it can."""
+    unwrapped = model.module if hasattr(model, "module") else model
+    config = getattr(unwrapped, "config", None)
+    if config is None:
+        return "the model has no config"
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder models encode the prompt in the encoder"
+    if extra_inputs:
+        return f"rows carry extra inputs ({', '.join(sorted(extra_inputs))}), e.g. images"
+    base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+    supports_dynamic_cache = getattr(type(base), "_supports_default_dynamic_cache", None)
+    if supports_dynamic_cache is None or not supports_dynamic_cache():
+        return f"{type(base).__name__} does not use a dynamic KV cache"
+    if any(getattr(m, "gradient_checkpointing", False) for m in unwrapped.modules()) and torch.is_grad_enabled():
+        return "gradient checkpointing drops the KV cache in a forward with grad"
+    return None
+
+
+def report_fallback(where: str, reason: str) -> None:
+    """One info-level line per (where, reason): why the plain path runs."""
+    if (where, reason) not in _reported:
+        _reported.add((where, reason))
+        logger.info(f"shared_prefix: the {where} runs without prompt sharing because {reason}.")
