@@ -1,14 +1,20 @@
 """Speed and memory of an online trainer of trl_unified (RLOO or GRPO) vs TRL's of the same name, same workload,
 in one run. `benchmarks/rloo_vs_trl.py` and `benchmarks/grpo_vs_trl.py` call this with their trainer.
 
-Workload: a Qwen2-style ~35M-parameter model built locally (random weights, 8k word-level vocabulary), batch 8,
-num_generations 4, 32 new tokens, beta 0.05, 10 steps, gradient checkpointing off, fp32 on CPU. Each trainer runs in
-its own fresh subprocess (so peak RSS is its own), TRL first, then ours. Reported: median seconds per step (first
-step excluded), generated tokens per second, peak RSS, and the ratios ours / TRL's on the last line:
+Model: Qwen2-style, 33.8M parameters, built locally (random weights, 8k word-level vocabulary); 32 new tokens, beta
+0.05, gradient checkpointing off, fp32 on CPU, 10 steps. Workloads (`--workload`, default both):
+- short: prompts of 8-16 words, batch 8, num_generations 4;
+- long: prompts of ~200 words, batch 16, num_generations 8 (2 distinct prompts per step).
+Each trainer runs in its own fresh subprocess (so peak RSS is its own), TRL then ours, `--repeats` times alternating.
+Reported per workload: median seconds per step (first step excluded), generated tokens per second, peak RSS, and
 
-    ratio step_time=0.63 peak_rss=0.81
+    ratio workload=short step_time=X peak_rss=Y
+    ratio workload=long step_time=X peak_rss=Y
 
-Usage: python benchmarks/{rloo,grpo}_vs_trl.py [--threads 2] [--steps 10] [--repeats 1]
+(ours / TRL's); a run of one workload ends with `ratio step_time=X peak_rss=Y`.
+
+Usage: python benchmarks/{rloo,grpo}_vs_trl.py [--workload both] [--threads 2] [--steps 10] [--repeats 1]
+    [--shared_prefix auto|false]
 """
 
 import argparse
@@ -20,6 +26,14 @@ import subprocess
 import sys
 import tempfile
 import time
+
+
+WORKLOADS = {
+    # prompts of 8-16 words, batch 8, G 4: the workload of the first measurements
+    "short": {"prompt_words": 8, "batch_size": 8, "num_generations": 4},
+    # prompts of ~200 words (196-204), batch 16, G 8: 2 distinct prompts per step, as in long-context RL
+    "long": {"prompt_words": 196, "batch_size": 16, "num_generations": 8},
+}
 
 
 def build_model(path: str) -> None:
@@ -123,20 +137,18 @@ def main(trainer: str):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=1, help="alternate TRL/ours this many times; medians reported")
-    parser.add_argument("--prompt_words", type=int, default=8, help="shortest prompt, in words (longest: +8)")
-    parser.add_argument("--batch_size", type=int, default=8, help="per_device_train_batch_size")
-    parser.add_argument("--num_generations", type=int, default=4)
+    parser.add_argument(
+        "--workload", choices=["short", "long", "both"], default="both", help=f"{WORKLOADS} (default: both)"
+    )
     parser.add_argument("--shared_prefix", choices=["auto", "false"], default=None, help="ours only (default: auto)")
-    parser.add_argument("--child", nargs=3, metavar=("IMPL", "MODEL", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=4, metavar=("IMPL", "MODEL", "OUT", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         import torch
 
         torch.set_num_threads(args.threads)
         workload = {
-            "prompt_words": args.prompt_words,
-            "batch_size": args.batch_size,
-            "num_generations": args.num_generations,
+            **WORKLOADS[args.child[3]],
             "shared_prefix": {None: None, "auto": "auto", "false": False}[args.shared_prefix],
         }
         run_one(trainer, args.child[0], args.child[1], args.steps, args.child[2], workload)
@@ -151,6 +163,17 @@ def main(trainer: str):
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
+    names = ["short", "long"] if args.workload == "both" else [args.workload]
+    ratios = {name: compare(trainer, name, args, model_path, workdir, env) for name in names}
+    for name, (step, rss) in ratios.items():
+        print(f"ratio workload={name} step_time={step:.2f} peak_rss={rss:.2f}")
+    if len(ratios) == 1:
+        print(f"ratio step_time={step:.2f} peak_rss={rss:.2f}")
+
+
+def compare(trainer, name, args, model_path, workdir, env):
+    """TRL and ours alternating, each in a fresh subprocess, `args.repeats` times; returns the (step, RSS) ratios."""
+    workload = WORKLOADS[name]
     results = {"trl": [], "ours": []}
     for _ in range(args.repeats):
         for impl in ("trl", "ours"):
@@ -162,17 +185,12 @@ def main(trainer: str):
                 str(args.threads),
                 "--steps",
                 str(args.steps),
-                "--prompt_words",
-                str(args.prompt_words),
-                "--batch_size",
-                str(args.batch_size),
-                "--num_generations",
-                str(args.num_generations),
                 *(["--shared_prefix", args.shared_prefix] if args.shared_prefix else []),
                 "--child",
                 impl,
                 model_path,
                 out,
+                name,
             ]
             subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             results[impl].append(json.load(open(out)))
@@ -180,15 +198,11 @@ def main(trainer: str):
     summary = {}
     for impl, runs in results.items():
         step = statistics.median(statistics.median(r["times"][1:]) for r in runs)
-        tokens = args.batch_size * statistics.median(r["mean_completion_length"] for r in runs)
+        tokens = workload["batch_size"] * statistics.median(r["mean_completion_length"] for r in runs)
         rss = statistics.median(r["peak_rss_mb"] for r in runs)
         summary[impl] = (step, tokens / step, rss)
         print(
-            f"{impl:>5}: {step:.3f} s/step (median, first step excluded), {tokens / step:.0f} generated tokens/s, "
-            f"peak RSS {rss:.0f} MB  [{args.threads} threads, {args.steps} steps, {args.repeats} run(s), "
-            f"bs {args.batch_size}, G {args.num_generations}, prompts {args.prompt_words}+ words]"
+            f"{impl:>5} [{name}]: {step:.3f} s/step (median, first step excluded), {tokens / step:.0f} generated "
+            f"tokens/s, peak RSS {rss:.0f} MB  [{args.threads} threads, {args.steps} steps, {args.repeats} run(s)]"
         )
-    print(
-        f"ratio step_time={summary['ours'][0] / summary['trl'][0]:.2f} "
-        f"peak_rss={summary['ours'][2] / summary['trl'][2]:.2f}"
-    )
+    return summary["ours"][0] / summary["trl"][0], summary["ours"][2] / summary["trl"][2]

@@ -21,12 +21,13 @@ def test_group_prompts_by_ids_and_padding():
     assert group_prompts(ids[:, :1], mask[:, :1]) is None  # one-token prompts: nothing before the last token
 
 
-def _batch(tokenizer, arch="llama"):
-    """4 groups of 3 rows: two prompt lengths (left padding), one prompt twice as two groups (not contiguous)."""
+def _batch(tokenizer, group_size=3):
+    """4 groups of G rows: prompts of different lengths (left padding), one prompt twice as two groups."""
     prompts = ["a b c d e", "f g", "a b c d e", "h i j"]
-    enc = tokenizer([p for p in prompts for _ in range(3)], padding=True, padding_side="left", return_tensors="pt")
+    rows = [p for p in prompts for _ in range(group_size)]
+    enc = tokenizer(rows, padding=True, padding_side="left", return_tensors="pt")
     torch.manual_seed(0)
-    completion = torch.randint(5, len(tokenizer), (12, 6))
+    completion = torch.randint(5, len(tokenizer), (len(rows), 6))
     completion_mask = torch.ones_like(completion)
     completion_mask[::4, 3:] = 0  # some completions end early
     ids = torch.cat([enc["input_ids"], completion], 1)
@@ -34,10 +35,17 @@ def _batch(tokenizer, arch="llama"):
     return ids, mask, completion.size(1)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_shared_prefix_logprobs_and_gradients_equal_the_plain_forward(arch, tokenizer):
+@pytest.mark.parametrize(
+    "arch, group_size, peft", [("llama", 3, False), ("qwen2", 3, False), ("qwen2", 2, False), ("llama", 8, False),
+                               ("qwen2", 8, True)],
+)  # fmt: skip
+def test_shared_prefix_logprobs_and_gradients_equal_the_plain_forward(arch, group_size, peft, tokenizer):
     model = build_causal_lm(tokenizer, arch)
-    ids, mask, k = _batch(tokenizer)
+    if peft:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    ids, mask, k = _batch(tokenizer, group_size)
     results = {}
     for share in (False, True):
         model.zero_grad()
@@ -49,7 +57,8 @@ def test_shared_prefix_logprobs_and_gradients_equal_the_plain_forward(arch, toke
     valid = mask[:, -k:].bool()
     torch.testing.assert_close(shared[0][valid], plain[0][valid], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(shared[1][valid], plain[1][valid], rtol=1e-5, atol=1e-5)
-    assert shared[2].keys() == plain[2].keys() and len(plain[2]) == len(list(model.parameters()))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert shared[2].keys() == plain[2].keys() and len(plain[2]) == len(trainable)
     for name, grad in plain[2].items():
         torch.testing.assert_close(shared[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
@@ -75,15 +84,18 @@ def test_shared_prefix_generation_equals_plain_greedy(tokenizer, batch_size):
     torch.testing.assert_close(shared.completion_ids, plain.completion_ids)
 
 
-def test_sampled_generation_with_shared_prefix_is_reproducible_and_distinct_per_row(tokenizer):
+def test_sampled_generation_with_shared_prefix_draws_the_plain_samples(tokenizer):
+    """Same seed, same samples: the decode steps draw from the same RNG stream over the same rows."""
     model = build_causal_lm(tokenizer, "qwen2")
-    prompts = ["a b c"] * 4
-    config = GenerationConfig(max_new_tokens=8, do_sample=True, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    first = generate_batched(model, tokenizer, prompts, config, share_prefix=True).texts
-    torch.manual_seed(0)
-    assert generate_batched(model, tokenizer, prompts, config, share_prefix=True).texts == first
-    assert len(set(first)) > 1  # each row samples its own continuation from the shared cache
+    prompts = [p for p in ["a b c d e", "f g", "h i j"] for _ in range(8)]
+    config = GenerationConfig(max_new_tokens=10, do_sample=True, pad_token_id=tokenizer.pad_token_id)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        plain = generate_batched(model, tokenizer, prompts, config).texts
+        torch.manual_seed(seed)
+        shared = generate_batched(model, tokenizer, prompts, config, share_prefix=True).texts
+        assert shared == plain
+        assert len(set(shared[:8])) > 1  # each row samples its own continuation from the shared cache
 
 
 def test_unsupported_models_and_inputs_are_named(tokenizer):
@@ -100,7 +112,9 @@ def test_unsupported_models_and_inputs_are_named(tokenizer):
 
 
 # ------------------------------------------------------------------ in the online trainers
-def _train(path, tmp_path, trainer_class, config_class, **config):
+def _train(path, tmp_path, trainer_class, config_class, peft=False, **config):
+    from peft import LoraConfig
+
     from tests.helpers import prompt_dataset, varied_reward
 
     args = config_class(
@@ -108,13 +122,19 @@ def _train(path, tmp_path, trainer_class, config_class, **config):
         num_generations=4, max_completion_length=6, learning_rate=1e-2, logging_steps=1, bf16=False,
         report_to=[], save_strategy="no", seed=0, **{"gradient_checkpointing": False, "max_steps": 2, **config},
     )  # fmt: skip
-    trainer = trainer_class(path, varied_reward, args=args, train_dataset=prompt_dataset())
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if peft else None
+    trainer = trainer_class(path, varied_reward, args=args, train_dataset=prompt_dataset(), peft_config=peft_config)
     trainer.train()
     return trainer
 
 
-@pytest.mark.parametrize("name", ["RLOO", "GRPO"])
-def test_trainers_share_prompts_by_default_with_the_plain_numbers(name, llama_path, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "name, config",
+    [("RLOO", {"beta": 0.1}), ("GRPO", {"beta": 0.1}), ("GRPO", {"num_iterations": 2}),
+     ("RLOO", {"beta": 0.1, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 4}),
+     ("GRPO", {"beta": 0.1, "peft": True}), ("GRPO", {"num_generations": 8, "per_device_train_batch_size": 16})],
+)  # fmt: skip
+def test_trainers_share_prompts_by_default_with_the_plain_numbers(name, config, llama_path, tmp_path, monkeypatch):
     import trl_unified
     import trl_unified.base.generation as generation
     import trl_unified.base.logprobs as logprobs
@@ -124,17 +144,17 @@ def test_trainers_share_prompts_by_default_with_the_plain_numbers(name, llama_pa
         original = module.encode_prefix
         monkeypatch.setattr(module, "encode_prefix", lambda *a, _o=original, **k: calls.append(1) or _o(*a, **k))
     trainer_class, config_class = getattr(trl_unified, f"{name}Trainer"), getattr(trl_unified, f"{name}Config")
-    # beta > 0: generation, the reference forward and the policy forward with grad all run on shared prompts
-    shared = _train(llama_path, tmp_path, trainer_class, config_class, beta=0.1, shared_prefix="auto")
-    assert len(calls) >= 6, calls  # 2 steps x (generation + reference + policy)
+    # generation, the reference / old-log-prob forwards and the policy forward with grad run on shared prompts
+    shared = _train(llama_path, tmp_path, trainer_class, config_class, shared_prefix="auto", **config)
+    assert len(calls) >= 4, calls  # 2 steps x (generation + policy), + reference / old forwards
     count = len(calls)
-    plain = _train(llama_path, tmp_path, trainer_class, config_class, beta=0.1, shared_prefix=False)
+    plain = _train(llama_path, tmp_path, trainer_class, config_class, shared_prefix=False, **config)
     assert len(calls) == count  # off means off
-    for key in ("loss", "kl", "entropy", "reward"):
+    for key in ("loss", "kl", "entropy", "reward") if config.get("beta") else ("loss", "entropy", "reward"):
         ours = [log[key] for log in shared.state.log_history if key in log]
         ref = [log[key] for log in plain.state.log_history if key in log]
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=1e-4, atol=1e-5, msg=key)
-    for (n, p), q in zip(shared.model.named_parameters(), plain.model.parameters()):
+    for (n, p), q in zip(shared.model.named_parameters(), plain.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
 
 

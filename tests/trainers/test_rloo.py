@@ -304,9 +304,8 @@ def test_vision_language_logprobs_follow_greedy_generation():
     from transformers import GenerationConfig
     from trl import prepare_multimodal_messages
 
-    from trl_unified import compute_token_logprobs, generate_batched
+    from trl_unified import RolloutBatch, compute_token_logprobs, generate_batched
     from trl_unified.testing import build_image, build_vision_language_model
-    from trl_unified.trainers.rloo import _model_image_inputs
 
     model, processor = build_vision_language_model()
     prompts = [
@@ -320,18 +319,16 @@ def test_vision_language_logprobs_follow_greedy_generation():
         pad_token_id=processor.tokenizer.pad_token_id,
     )
     out = generate_batched(model, processor, prompts, config, images=[[build_image(0)], [build_image(1)]])
-    batch = {
-        "image_inputs": out.image_inputs,
-        **{f"prompt_token_inputs.{k}": v for k, v in out.prompt_token_inputs.items()},
-    }
-    ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
-    mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
+    batch = RolloutBatch(
+        prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
+        completion_mask=out.completion_mask, rewards=torch.zeros(2), row_index=torch.arange(2),
+        is_truncated=out.is_truncated, image_inputs=out.image_inputs, prompt_token_inputs=out.prompt_token_inputs,
+    )  # fmt: skip
+    ids, mask, extra = batch.model_inputs()  # per-row images concatenated, per-token inputs zero-extended
     k = out.completion_ids.size(1)
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, **_model_image_inputs(batch, k, "cpu")).logits[
-            :, -k - 1 : -1
-        ]
-        logps = compute_token_logprobs(model, ids, mask, k, **_model_image_inputs(batch, k, "cpu")).logps
+        logits = model(input_ids=ids, attention_mask=mask, **extra).logits[:, -k - 1 : -1]
+        logps = compute_token_logprobs(model, ids, mask, k, **extra).logps
     real = out.completion_mask.bool()
     assert torch.equal(logits.argmax(-1)[real], out.completion_ids[real])
     naive = torch.log_softmax(logits.float(), -1).gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1)

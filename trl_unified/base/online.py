@@ -323,17 +323,6 @@ class RolloutBatch:
         return input_ids, attention_mask, extra
 
 
-def _model_image_inputs(batch: dict, completion_length: int, device) -> dict[str, torch.Tensor]:
-    """Model inputs for the images of a dict batch (`image_inputs` per row, `prompt_token_inputs.<key>` per token):
-    per-row tensors concatenated, per-token ones extended with zeros over the completion."""
-    per_row = batch["image_inputs"]
-    inputs = {k: torch.cat([row[k] for row in per_row]).to(device) for k in per_row[0]}
-    for key, value in batch.items():
-        if key.startswith("prompt_token_inputs."):
-            inputs[key.split(".", 1)[1]] = torch.cat([value, value.new_zeros(value.size(0), completion_length)], dim=1)
-    return inputs
-
-
 class OnlineTrainer(PolicyTrainerBase):
     """Base of the online trainers (RLOO, GRPO): TRL's constructor and usage surface, the rollout and its buffer.
 

@@ -29,6 +29,7 @@ from .models import (
 )
 from .papers import PAPERS
 from .reference import ReferenceModel
+from .shutdown import install_distributed_shutdown
 
 
 logger = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class PolicyTrainerBase(Trainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
         self.reference.prepare(self.accelerator)
-        _destroy_process_group_at_exit()
+        install_distributed_shutdown()  # see base/shutdown.py: no SIGABRT at exit
         self.eos_token_ids = get_eos_token_ids(self.model, processing_class)
         if hasattr(self.model, "add_model_tags"):
             self.model.add_model_tags(self._tag_names)
@@ -407,32 +408,6 @@ def _reject_dataset_dict(train_dataset) -> None:
             f"train_dataset is a {type(train_dataset).__name__} with splits {splits}; the trainer needs one split. "
             f"Pass e.g. dataset[{(splits or ['train'])[0]!r}] (and another split as eval_dataset)."
         )
-
-
-_teardown_registered = False
-
-
-def _destroy_process_group_at_exit() -> None:
-    """Destroy the default process group when the interpreter exits, before its finalisation starts.
-
-    `transformers.Trainer` never destroys the process group accelerate created. Gloo's C++ worker threads can then
-    still hold finished work objects with tensors when Python finalises; freeing them needs the GIL of a dying
-    interpreter, and one rank aborts (`terminate called without an active exception`, SIGABRT) after training and
-    saving succeeded. An `atexit` handler runs while the interpreter is fully alive; it does nothing when the group was
-    already destroyed (e.g. by `accelerator.end_training()`), and it needs no collective, so a rank that fails
-    cannot make it hang.
-    """
-    global _teardown_registered
-    if _teardown_registered or not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return
-    import atexit
-
-    def _teardown():
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-    atexit.register(_teardown)
-    _teardown_registered = True
 
 
 def _check_images_fit(dataset, processing_class, model) -> None:

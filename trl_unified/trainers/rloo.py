@@ -26,10 +26,10 @@ import torch
 from accelerate.utils import gather
 
 from ..base.config import document_fields
-from ..base.online import OnlineConfig, OnlineTrainer, RolloutBatch, _model_image_inputs, nanstd
+from ..base.online import OnlineConfig, OnlineTrainer, RolloutBatch, nanstd
 
 
-__all__ = ["RLOOConfig", "RLOOTrainer", "rloo_advantages", "nanstd", "_model_image_inputs"]
+__all__ = ["RLOOConfig", "RLOOTrainer", "rloo_advantages", "nanstd"]
 
 
 def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
