@@ -118,9 +118,10 @@ def _train(path, tmp_path, trainer_class, config_class, peft=False, **config):
     from tests.helpers import prompt_dataset, varied_reward
 
     args = config_class(
-        output_dir=str(tmp_path / str(config.get("shared_prefix"))), per_device_train_batch_size=8,
-        num_generations=4, max_completion_length=6, learning_rate=1e-2, logging_steps=1, bf16=False,
-        report_to=[], save_strategy="no", seed=0, **{"gradient_checkpointing": False, "max_steps": 2, **config},
+        output_dir=str(tmp_path / str(config.get("shared_prefix"))), max_completion_length=6, learning_rate=1e-2,
+        logging_steps=1, bf16=False, report_to=[], save_strategy="no", seed=0,
+        **{"gradient_checkpointing": False, "max_steps": 2, "per_device_train_batch_size": 8, "num_generations": 4,
+           **config},
     )  # fmt: skip
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if peft else None
     trainer = trainer_class(path, varied_reward, args=args, train_dataset=prompt_dataset(), peft_config=peft_config)

@@ -158,7 +158,7 @@ class OnlineConfig(PolicyConfig):
         default=None, metadata={"help": "ContinuousBatchingConfig kwargs (not implemented)."}
     )
     use_transformers_paged: bool = field(default=False, metadata={"help": "Deprecated alias of continuous batching."})
-    shared_prefix: bool | str = field(
+    shared_prefix: str = field(  # 'auto', or True/False (also 'true'/'false' from the command line)
         default="auto",
         metadata={
             "help": "trl_unified only. Encode each prompt once per group of completions (Prefix Grouper, "
