@@ -115,36 +115,6 @@ class RepeatSampler(Sampler):
         return (self.num_samples // self.batch_size) * self.batch_size * self.mini_repeat_count * self.repeat_count
 
 
-def shuffle_batch(batch: dict[str, Any]) -> dict[str, Any]:
-    """Permute every per-row value of `batch` (tensors with a batch dim, lists) with one `torch.randperm`."""
-    size = next(len(v) for v in batch.values() if isinstance(v, (list, torch.Tensor)) and getattr(v, "ndim", 1) > 0)
-    permutation = torch.randperm(size)
-
-    def permute(value):
-        if isinstance(value, torch.Tensor) and value.ndim > 0 and value.size(0) == size:
-            return value[permutation]
-        if isinstance(value, list) and len(value) == size:
-            return [value[i] for i in permutation]
-        return value
-
-    return {key: permute(value) for key, value in batch.items()}
-
-
-def split_batch(batch: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
-    """Split every per-row value of `batch` into `num_chunks` equal, contiguous micro-batches."""
-    size = next(len(v) for v in batch.values() if isinstance(v, (list, torch.Tensor)) and getattr(v, "ndim", 1) > 0)
-    if size % num_chunks:
-        raise ValueError(f"Cannot split a batch of {size} rows into {num_chunks} equal micro-batches.")
-    step = size // num_chunks
-
-    def take(value, i):
-        if isinstance(value, (list, torch.Tensor)) and getattr(value, "ndim", 1) > 0 and len(value) == size:
-            return value[i * step : (i + 1) * step]
-        return value
-
-    return [{key: take(value, i) for key, value in batch.items()} for i in range(num_chunks)]
-
-
 def split_prompt_completion(row: dict[str, Any], text_field: str = "text") -> tuple[Any, Any]:
     """The (prompt, completion) of a training row, whatever its format.
 
