@@ -4,51 +4,10 @@ loss type, both importance-sampling levels, each reward scaling, KL on and off, 
 import pytest
 import torch
 import trl
-from datasets import Dataset
-from peft import LoraConfig
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 import trl_unified
-from tests.trainers.test_rloo_equivalence import (
-    COMPLETION_LEN,
-    GradRecorder,
-    fake_generate,
-    reward_first_token,
-    reward_len_and_a,
-)
-
-
-def run(module, model_path, tokenizer, tmp_path, peft, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path / module.__name__),
-        per_device_train_batch_size=6,
-        num_generations=3,
-        max_completion_length=COMPLETION_LEN,
-        max_steps=3,
-        learning_rate=1e-3,
-        logging_steps=1,
-        bf16=False,
-        report_to=[],
-        save_strategy="no",
-        gradient_checkpointing=False,
-        seed=7,
-    )
-    kwargs.update(overrides)
-    dataset = Dataset.from_dict({"prompt": ["a b c", "d e", "f g h i", "j k", "l", "m n o", "p q", "r s t u"]})
-    recorder = GradRecorder()
-    trainer = module.GRPOTrainer(
-        model_path,
-        reward_funcs=[reward_len_and_a, reward_first_token],
-        args=module.GRPOConfig(**kwargs),
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[recorder],
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if peft else None,
-    )
-    trainer.train()
-    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    return losses, recorder.grads, params, trainer.state.log_history
+from tests.trainers.test_rloo_equivalence import fake_generate, run
 
 
 OFF_POLICY = dict(num_iterations=2, learning_rate=2e-3)  # the second pass sees ratios != 1
@@ -82,8 +41,8 @@ def test_grpo_matches_trl(case, qwen2_path, tmp_path, monkeypatch):
     tokenizer = PreTrainedTokenizerFast.from_pretrained(qwen2_path)
     overrides = dict(CASES[case])
     peft = overrides.pop("peft", False)
-    ref_losses, ref_grads, ref_params, ref_logs = run(trl, qwen2_path, tokenizer, tmp_path, peft, **overrides)
-    losses, grads, params, logs = run(trl_unified, qwen2_path, tokenizer, tmp_path, peft, **overrides)
+    ref_losses, ref_grads, ref_params, ref_logs = run(trl, qwen2_path, tokenizer, tmp_path, peft, "GRPO", **overrides)
+    losses, grads, params, logs = run(trl_unified, qwen2_path, tokenizer, tmp_path, peft, "GRPO", **overrides)
 
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-5)
     assert len(grads) == len(ref_grads) == 3

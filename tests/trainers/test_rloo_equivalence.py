@@ -43,7 +43,8 @@ class GradRecorder(TrainerCallback):
         self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
 
 
-def run(module, model_path, tokenizer, tmp_path, peft, **overrides):
+def run(module, model_path, tokenizer, tmp_path, peft, trainer="RLOO", **overrides):
+    """Train 3 steps with `module`'s (trl or trl_unified) `<trainer>Trainer`; losses, gradients, parameters, logs."""
     kwargs = dict(
         output_dir=str(tmp_path / module.__name__),
         per_device_train_batch_size=6,
@@ -61,19 +62,20 @@ def run(module, model_path, tokenizer, tmp_path, peft, **overrides):
     kwargs.update(overrides)
     dataset = Dataset.from_dict({"prompt": ["a b c", "d e", "f g h i", "j k", "l", "m n o", "p q", "r s t u"]})
     recorder = GradRecorder()
-    trainer = module.RLOOTrainer(
+    policy_trainer = getattr(module, f"{trainer}Trainer")(
         model_path,
         reward_funcs=[reward_len_and_a, reward_first_token],
-        args=module.RLOOConfig(**kwargs),
+        args=getattr(module, f"{trainer}Config")(**kwargs),
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[recorder],
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if peft else None,
     )
-    trainer.train()
-    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    return losses, recorder.grads, params, trainer.state.log_history
+    policy_trainer.train()
+    history = policy_trainer.state.log_history
+    losses = [log["loss"] for log in history if "loss" in log]
+    params = {n: p.detach().clone() for n, p in policy_trainer.model.named_parameters() if p.requires_grad}
+    return losses, recorder.grads, params, history
 
 
 CASES = {
