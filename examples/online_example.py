@@ -52,8 +52,25 @@ def demo_model_and_data(training_args):
     return path, tokenizer, Dataset.from_dict({"prompt": prompts}), None
 
 
-def main(trainer_class, config_class, demo_defaults: dict):
-    """Parse the command line (or run the offline demo with `demo_defaults`), train, save, plot, push."""
+DEMO_DEFAULTS = dict(
+    per_device_train_batch_size=16,
+    num_generations=4,
+    max_completion_length=12,
+    learning_rate=1e-2,
+    beta=0.0,
+    max_steps=120,
+    logging_steps=5,
+    save_strategy="no",
+    report_to="none",
+    gradient_checkpointing=False,
+    seed=0,
+)
+
+
+def main(trainer_class, config_class):
+    """Parse the command line (or run the offline demo: `DEMO_DEFAULTS`, output in outputs/<algo>-demo), train, save,
+    plot, push."""
+    demo_defaults = {**DEMO_DEFAULTS, "output_dir": f"outputs/{trainer_class._name.lower()}-demo"}
     demo = "--model_name_or_path" not in " ".join(sys.argv) and "--config" not in sys.argv
     parser = TrlParser((OnlineScriptArguments, config_class, ModelConfig))
     if demo:

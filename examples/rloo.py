@@ -22,21 +22,5 @@ from online_example import main  # examples/ is on sys.path when this script run
 from trl_unified import RLOOConfig, RLOOTrainer
 
 
-DEMO_DEFAULTS = dict(
-    output_dir="outputs/rloo-demo",
-    per_device_train_batch_size=16,
-    num_generations=4,
-    max_completion_length=12,
-    learning_rate=1e-2,
-    beta=0.0,
-    max_steps=120,
-    logging_steps=5,
-    save_strategy="no",
-    report_to="none",
-    gradient_checkpointing=False,
-    seed=0,
-)
-
-
 if __name__ == "__main__":
-    main(RLOOTrainer, RLOOConfig, DEMO_DEFAULTS)
+    main(RLOOTrainer, RLOOConfig)

@@ -78,6 +78,23 @@ def run(module, model_path, tokenizer, tmp_path, peft, trainer="RLOO", **overrid
     return losses, recorder.grads, params, history
 
 
+def run_both_and_compare(model_path, tokenizer, tmp_path, peft, trainer, **overrides):
+    """Train with trl and with trl_unified; assert equal losses (1e-5), per-step gradients and final parameters.
+    Returns both log histories (ours, TRL's) for the metric checks of each test."""
+    ref_losses, ref_grads, ref_params, ref_logs = run(trl, model_path, tokenizer, tmp_path, peft, trainer, **overrides)
+    losses, grads, params, logs = run(trl_unified, model_path, tokenizer, tmp_path, peft, trainer, **overrides)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-5)
+    assert len(grads) == len(ref_grads) == 3
+    for step, (g, ref_g) in enumerate(zip(grads, ref_grads)):
+        assert g.keys() == ref_g.keys()
+        assert any(v.abs().sum() > 0 for v in g.values()), f"no gradient at step {step}"
+        for name in g:
+            torch.testing.assert_close(g[name], ref_g[name], rtol=1e-4, atol=1e-5, msg=f"step {step} {name}")
+    for name in params:
+        torch.testing.assert_close(params[name], ref_params[name], rtol=1e-4, atol=1e-5, msg=name)
+    return logs, ref_logs
+
+
 CASES = {
     "beta0": dict(beta=0.0),
     "beta": dict(beta=0.1),
@@ -97,18 +114,7 @@ def test_rloo_matches_trl(case, qwen2_path, tmp_path, monkeypatch):
     tokenizer = PreTrainedTokenizerFast.from_pretrained(qwen2_path)
     overrides = dict(CASES[case])
     peft = overrides.pop("peft", False)
-    ref_losses, ref_grads, ref_params, ref_logs = run(trl, qwen2_path, tokenizer, tmp_path, peft, **overrides)
-    losses, grads, params, logs = run(trl_unified, qwen2_path, tokenizer, tmp_path, peft, **overrides)
-
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=1e-5)
-    assert len(grads) == len(ref_grads) == 3
-    for step, (g, ref_g) in enumerate(zip(grads, ref_grads)):
-        assert g.keys() == ref_g.keys()
-        assert any(v.abs().sum() > 0 for v in g.values()), f"no gradient at step {step}"
-        for name in g:
-            torch.testing.assert_close(g[name], ref_g[name], rtol=1e-4, atol=1e-5, msg=f"step {step} {name}")
-    for name in params:
-        torch.testing.assert_close(params[name], ref_params[name], rtol=1e-4, atol=1e-5, msg=name)
+    logs, ref_logs = run_both_and_compare(qwen2_path, tokenizer, tmp_path, peft, "RLOO", **overrides)
     for key in ("reward", "rewards/reward_len_and_a/mean", "kl", "entropy", "completions/mean_length"):
         ours = [log[key] for log in logs if key in log]
         theirs = [log[key] for log in ref_logs if key in log]
