@@ -10,26 +10,36 @@ from .base.judge import GRMReward
 from .base.logprobs import compute_token_logprobs, entropy_from_logits, selective_log_softmax
 from .base.online import OnlineConfig, OnlineTrainer, RolloutBatch
 from .base.papers import PAPERS
+from .base.preference import PreferenceCollator, PreferenceConfig, PreferenceTrainer
 from .base.reference import ReferenceModel
 from .base.rewards import RewardFunctions
 from .base.trainer import PolicyTrainerBase
+from .trainers.dpo import DPOConfig, DPOTrainer
 from .trainers.grm import GRMConfig, GRMTrainer
 from .trainers.grpo import GRPOConfig, GRPOTrainer
+from .trainers.kto import KTOConfig, KTOTrainer
 from .trainers.rloo import RLOOConfig, RLOOTrainer, rloo_advantages
 
 
 __all__ = [
     "AnswerAccuracy",
+    "DPOConfig",
+    "DPOTrainer",
     "GRMConfig",
     "GRMReward",
     "GRMTrainer",
     "GRPOConfig",
     "GRPOTrainer",
     "GenerationOutput",
+    "KTOConfig",
+    "KTOTrainer",
     "OnlineConfig",
     "OnlineTrainer",
     "PAPERS",
     "PolicyConfig",
+    "PreferenceCollator",
+    "PreferenceConfig",
+    "PreferenceTrainer",
     "PolicyTrainerBase",
     "RLOOConfig",
     "RLOOTrainer",

@@ -54,6 +54,9 @@ class TokenLogprobs:
     logps: torch.Tensor
     entropy: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None  # (B, C) mean over the vocabulary, no grad (token_stats)
+    is_top1: torch.Tensor | None = None  # (B, C) bool: the token is the argmax (token_stats)
+    log_sum_sq_probs: torch.Tensor | None = None  # (B, C) log Σ_v p_v², no grad (token_stats; WPO weighting)
 
 
 def compute_token_logprobs(
@@ -67,6 +70,7 @@ def compute_token_logprobs(
     batch_size: int | None = None,
     output_router_logits: bool = False,
     share_prompt: bool = False,
+    token_stats: bool = False,
     **forward_kwargs,
 ) -> TokenLogprobs:
     """Log-probs of the last `logits_to_keep` tokens of `input_ids` under `model`, logits divided by `temperature`.
@@ -86,6 +90,8 @@ def compute_token_logprobs(
             (an entropy bonus in the loss); otherwise they are computed without grad, for logging and masks.
         batch_size (`int`, *optional*): rows per forward pass; all rows at once by default.
         output_router_logits (`bool`, *optional*, defaults to `False`): return the MoE load-balancing loss.
+        token_stats (`bool`, *optional*, defaults to `False`): also return, without grad, the per-token mean logit,
+            whether the token is the argmax, and log Σ_v p_v² (for metrics and WPO weights).
         share_prompt (`bool`, *optional*, defaults to `False`): encode each distinct prompt (`input_ids[:, :-C]`) of a
             chunk once and reuse its KV cache for the rows that repeat it (see `base/prefix.py`); same log-probs and,
             under grad, same gradients as the plain forward, less compute when prompts repeat. The caller decides
@@ -104,6 +110,7 @@ def compute_token_logprobs(
     """
     batch_size = batch_size or input_ids.size(0)
     logps, entropies, aux_losses = [], [], []
+    stats: dict[str, list[torch.Tensor]] = {"mean_logits": [], "is_top1": [], "log_sum_sq_probs": []}
     for start in range(0, input_ids.size(0), batch_size):
         rows = slice(start, start + batch_size)
         kwargs = {
@@ -142,10 +149,16 @@ def compute_token_logprobs(
         if compute_entropy:
             with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
                 entropies.append(entropy_from_logits(logits))
+        if token_stats:
+            with torch.no_grad():
+                stats["mean_logits"].append(logits.mean(-1).float())
+                stats["is_top1"].append(logits.argmax(-1) == input_ids[rows, -logits_to_keep:])
+                stats["log_sum_sq_probs"].append(torch.logsumexp(2 * logits.float().log_softmax(-1), dim=-1))
         if output_router_logits and getattr(outputs, "aux_loss", None) is not None:
             aux_losses.append(outputs.aux_loss)
     return TokenLogprobs(
         logps=torch.cat(logps),
         entropy=torch.cat(entropies) if compute_entropy else None,
         aux_loss=torch.stack(aux_losses).mean() if aux_losses else None,
+        **({key: torch.cat(values) for key, values in stats.items()} if token_stats else {}),
     )

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from accelerate.utils import gather, gather_object, set_seed
 from datasets import Dataset, IterableDataset
-from trl import SyncRefModelCallback, is_conversational, prepare_multimodal_messages
+from trl import is_conversational, prepare_multimodal_messages
 
 from .config import PolicyConfig
 from .data import RepeatSampler, get_images, require_columns
@@ -383,22 +383,11 @@ class OnlineTrainer(PolicyTrainerBase):
         }
         self._pending_extra: dict[str, list] = defaultdict(list)
         self._logs_round = self._logs_printed = 0
-        if self.args.sync_ref_model:
-            if self.reference.kind != "copy":
-                raise NotImplementedError(
-                    "You passed `sync_ref_model=True` while using a PEFT model, which is currently not supported: "
-                    "the reference is the policy with its adapter disabled, there is no separate model to sync."
-                )
-            self.add_callback(SyncRefModelCallback(ref_model=self.reference.model, accelerator=self.accelerator))
+        self.sync_reference_every_steps()
         # Each process samples different completions, reproducibly (the samplers have their own seeded generator).
         set_seed(self.args.seed, device_specific=True)
 
     # ------------------------------------------------------------------ TRL's attributes
-    @property
-    def ref_model(self):
-        """The separate reference model (None when there is none: beta 0, or PEFT with the adapter disabled)."""
-        return self.reference.model if self.reference.kind == "copy" else None
-
     @property
     def reward_funcs(self) -> list:
         return self.rewards.funcs

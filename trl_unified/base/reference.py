@@ -27,6 +27,8 @@ class ReferenceModel:
         model, so no copy is kept.
       - `"ref_adapter"`: PEFT policy that arrived with a pretrained adapter: disabling it would give the base model,
         not the starting policy, so a frozen copy of the adapter, named "ref", is switched in.
+      - `"policy"`: the policy itself, valid only before training changes it (reference log-probs precomputed
+        before the first step, with no ref_model given: no copy is kept).
       - `"copy"`: a separate frozen model in eval mode (from `ref_model`, or a deep copy of the policy), prepared by
         accelerate / DeepSpeed / FSDP.
     """
@@ -35,7 +37,16 @@ class ReferenceModel:
         self.kind, self.model, self.policy = kind, model, policy
 
     @classmethod
-    def build(cls, policy, ref_model, args, needed: bool, adapter_is_pretrained: bool, quantization_config=None):
+    def build(
+        cls,
+        policy,
+        ref_model,
+        args,
+        needed: bool,
+        adapter_is_pretrained: bool,
+        quantization_config=None,
+        policy_is_reference: bool = False,
+    ):
         """Build (before `accelerator.prepare`) the reference for `policy`. See the class docstring for the rules."""
         if not needed:
             if ref_model is not None:
@@ -54,6 +65,8 @@ class ReferenceModel:
                 _add_frozen_ref_adapter(policy)
                 return cls("ref_adapter", policy=policy)
             return cls("adapter_disabled", policy=policy)
+        if policy_is_reference and ref_model is None:
+            return cls("policy", policy=policy)
         if isinstance(ref_model, str):
             ref = load_model(ref_model, args, quantization_config, what="reference model")
         elif ref_model is not None:
@@ -64,6 +77,7 @@ class ReferenceModel:
         else:
             # A deep copy works for models built in memory and never saved (reloading by name would fail there).
             ref = copy.deepcopy(policy)
+        _check_same_vocabulary(policy, ref)
         if args.disable_dropout:
             disable_dropout(ref)
         ref.requires_grad_(False)
@@ -87,6 +101,9 @@ class ReferenceModel:
         if self.kind == "copy":
             yield self.model
             return
+        if self.kind == "policy":
+            yield policy_wrapped if policy_wrapped is not None else self.policy
+            return
         peft_model = accelerator.unwrap_model(policy_wrapped) if accelerator is not None else self.policy
         callable_model = policy_wrapped if policy_wrapped is not None else self.policy
         if self.kind == "adapter_disabled":
@@ -100,6 +117,18 @@ class ReferenceModel:
         finally:
             peft_model.set_adapter(active)
             _freeze_adapter(peft_model, REF_ADAPTER)
+
+
+def _check_same_vocabulary(policy, ref) -> None:
+    """Reference log-probs are read at the policy's token ids: both models must share the vocabulary."""
+    weights = [m.get_input_embeddings().weight for m in (policy, ref) if m.get_input_embeddings() is not None]
+    sizes = [getattr(w, "ds_shape", w.shape)[0] for w in weights]  # ZeRO-3 keeps the full shape in ds_shape
+    if len(sizes) == 2 and sizes[0] != sizes[1]:
+        raise ValueError(
+            f"The reference model's vocabulary ({sizes[1]} tokens) differs from the policy's ({sizes[0]}): its "
+            "log-probs would be read at the wrong token ids. Use a reference with the policy's tokenizer (usually "
+            "the same checkpoint), or omit ref_model to get a frozen copy of the policy."
+        )
 
 
 def prepare_frozen_model(model, accelerator):

@@ -98,7 +98,13 @@ class PolicyTrainerBase(Trainer):
         else:
             eval_dataset = self.prepare_dataset(eval_dataset, processing_class, args, "eval")
         self.reference = ReferenceModel.build(
-            model, ref_model, args, self.needs_reference(args), adapter_is_pretrained, quantization_config
+            model,
+            ref_model,
+            args,
+            self.needs_reference(args),
+            adapter_is_pretrained,
+            quantization_config,
+            policy_is_reference=self.reference_is_policy(args),
         )
         if data_collator is None:
             data_collator = self.make_data_collator(processing_class, args)
@@ -130,6 +136,11 @@ class PolicyTrainerBase(Trainer):
         """Whether the algorithm uses a reference model (e.g. `args.beta != 0`)."""
         return False
 
+    def reference_is_policy(self, args) -> bool:
+        """Whether the untrained policy itself may serve as reference when no ref_model is given (see
+        `ReferenceModel`: only when every reference output is computed before training)."""
+        return False
+
     def prepare_dataset(self, dataset, processing_class, args, name: str):
         """Validate / tokenise a dataset before training (called once per dataset, before `Trainer.__init__`)."""
         return dataset
@@ -154,6 +165,26 @@ class PolicyTrainerBase(Trainer):
         """The reference answer of an eval row, or None when it has none."""
         value = row.get(self.args.eval_answer_field)
         return None if value is None else str(value)
+
+    @property
+    def ref_model(self):
+        """The separate reference model, as TRL's attribute (None when there is none: no reference, a PEFT policy
+        with its adapter disabled, or the policy itself before training)."""
+        return self.reference.model if self.reference.kind == "copy" else None
+
+    def sync_reference_every_steps(self) -> None:
+        """With `args.sync_ref_model`, add TRL's `SyncRefModelCallback` (TR-DPO: every `ref_model_sync_steps`,
+        π_ref ← α π_θ + (1 - α) π_ref). Only a separate reference model can be synced."""
+        if not getattr(self.args, "sync_ref_model", False):
+            return
+        if self.reference.kind != "copy":
+            raise NotImplementedError(
+                "You passed `sync_ref_model=True` while using a PEFT model, which is currently not supported: "
+                "the reference is the policy with its adapter disabled, there is no separate model to sync."
+            )
+        from trl import SyncRefModelCallback
+
+        self.add_callback(SyncRefModelCallback(ref_model=self.reference.model, accelerator=self.accelerator))
 
     # ------------------------------------------------------------------ model loading
     def _load_policy(self, model, args, quantization_config):

@@ -1,0 +1,235 @@
+r"""Direct Preference Optimization (DPO), Rafailov et al., 2023 (arXiv:2305.18290): a drop-in for `trl.DPOTrainer`.
+
+For a prompt x with a chosen completion y_w and a rejected one y_l, the sequence log-prob is the sum over the
+completion tokens, log π(y|x) = Σ_t log π(y_t | x, y_<t) (with `ld_alpha`, LD-DPO, Liu et al., 2024,
+arXiv:2409.06411: the tokens up to the shorter completion's length count fully, the rest with weight α). The
+log-ratios against the frozen reference
+
+    h_w = log π_θ(y_w|x) - log π_ref(y_w|x),      h_l = log π_θ(y_l|x) - log π_ref(y_l|x)
+
+become scores s = f'(exp h) for the f-divergence in `f_divergence_type` (f-DPO, Wang et al., 2023,
+arXiv:2309.16240; reverse KL, the default, gives s = h), and Δ = s_w - s_l. The sigmoid loss (DPO's Eq. 7) is
+-log σ(β Δ); every loss type is listed with its formula and paper in `pair_losses`. The loss of a micro-batch is
+
+    L = Σ_k w_k · (1/B) Σ_i ℓ_k(i) · ω_i          (k over `loss_type`, w_k = `loss_weights`, B pairs)
+
+with ω_i = 1, or with `use_weighting` the WPO weight (Zhou et al., 2024, arXiv:2406.11827, Eq. 2)
+ω_i = exp(mean_t [log p(y_w,t) - log Σ_v p_v²]) · exp(same for y_l), without gradient. The Trainer divides L by the
+gradient-accumulation steps. Logged, as TRL: rewards/chosen = mean β h_w, rewards/rejected = mean β h_l,
+rewards/accuracies = mean 1[h_w > h_l], rewards/margins, logps/chosen, logps/rejected, logits/*, entropy,
+mean_token_accuracy (chosen tokens that are the argmax), num_tokens.
+"""
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..base.config import document_fields
+from ..base.preference import PreferenceConfig, PreferenceTrainer
+
+
+LOSS_TYPES = (
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
+    "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+)  # fmt: skip
+F_DIVERGENCE_LOSSES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
+F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+
+
+@document_fields
+@dataclass
+class DPOConfig(PreferenceConfig):
+    """Configuration of `DPOTrainer`: every field of `trl.DPOConfig` 1.16, same names and defaults."""
+
+    _unimplemented_fields = {
+        **PreferenceConfig._unimplemented_fields,
+        "padding_free": "Padding-free batches are not implemented (TRL 1.16 also falls back to padding).",
+    }
+
+    truncation_mode: str = field(
+        default="keep_start", metadata={"help": "Keep the start ('keep_start') or end ('keep_end', deprecated)."}
+    )
+    padding_free: bool = field(default=False, metadata={"help": "Flatten the batch without padding."})
+    loss_type: list[str] = field(
+        default_factory=lambda: ["sigmoid"], metadata={"help": f"One or more of {', '.join(LOSS_TYPES)}."}
+    )
+    loss_weights: list[float] | None = field(
+        default=None, metadata={"help": "One weight per loss type (MPO: [0.8, 0.2, 1.0]). None: all 1.0."}
+    )
+    ld_alpha: float | None = field(
+        default=None, metadata={"help": "LD-DPO α in [0, 1]: weight of tokens beyond the shorter completion."}
+    )
+    f_divergence_type: str = field(default="reverse_kl", metadata={"help": f"One of {', '.join(F_DIVERGENCES)}."})
+    f_alpha_divergence_coef: float = field(default=0.5, metadata={"help": "α of the alpha_divergence."})
+    label_smoothing: float = field(
+        default=0.0, metadata={"help": "Robust DPO: label-flip probability in [0, 0.5); EXO: ε (e.g. 1e-3)."}
+    )
+    use_weighting: bool = field(default=False, metadata={"help": "WPO weights from length-normalised log-probs."})
+    discopop_tau: float = field(default=0.05, metadata={"help": "τ of the DiscoPOP loss."})
+    pad_token: str | None = field(default=None, metadata={"help": "Deprecated: set tokenizer.pad_token instead."})
+
+    def __post_init__(self):
+        if isinstance(self.loss_type, str):
+            self.loss_type = [self.loss_type]
+        unknown = [t for t in self.loss_type if t not in LOSS_TYPES]
+        if unknown:
+            raise ValueError(f"loss_type {unknown} unknown. Choose from {list(LOSS_TYPES)}.")
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            raise ValueError(
+                f"loss_weights has {len(self.loss_weights)} weights for {len(self.loss_type)} loss types "
+                f"({self.loss_type}); give one weight per loss type."
+            )
+        if self.f_divergence_type not in F_DIVERGENCES:
+            raise ValueError(f"f_divergence_type={self.f_divergence_type!r} is not one of {list(F_DIVERGENCES)}.")
+        if self.f_divergence_type != "reverse_kl" and not set(self.loss_type) <= F_DIVERGENCE_LOSSES:
+            raise ValueError(
+                f"f_divergence_type={self.f_divergence_type!r} only applies to {sorted(F_DIVERGENCE_LOSSES)}; "
+                f"loss_type is {self.loss_type}. Use f_divergence_type='reverse_kl' with these losses."
+            )
+        if "exo_pair" in self.loss_type and self.label_smoothing == 0.0:
+            raise ValueError("loss_type 'exo_pair' needs label_smoothing > 0 (the EXO paper recommends 1e-3).")
+        if self.use_weighting and {"aot", "aot_unpaired"} & set(self.loss_type):
+            raise NotImplementedError("use_weighting is not defined for 'aot'/'aot_unpaired': they sort the pairs.")
+        if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
+            raise ValueError(f"ld_alpha={self.ld_alpha} must be in [0, 1] (or None).")
+        if self.truncation_mode not in ("keep_start", "keep_end"):
+            raise ValueError(f"truncation_mode={self.truncation_mode!r} must be 'keep_start' or 'keep_end'.")
+        if "robust" in self.loss_type and not 0.0 <= self.label_smoothing < 0.5:
+            warnings.warn(f"label_smoothing={self.label_smoothing} should be in [0, 0.5) for 'robust'.", stacklevel=2)
+        for name, value, advice in (
+            ("pad_token", self.pad_token is not None, "set tokenizer.pad_token instead"),
+            ("truncation_mode='keep_end'", self.truncation_mode == "keep_end", "use 'keep_start'"),
+        ):
+            if value:
+                warnings.warn(f"{name} is deprecated in TRL and will be removed in v2.0.0: {advice}.", FutureWarning)
+        super().__post_init__()
+
+
+def f_scores(logratios: torch.Tensor, kind: str, alpha: float) -> torch.Tensor:
+    """s = f'(exp h) for the f-divergence (f-DPO): reverse KL h; forward KL 1 - e^-h; JS log 2 + log σ(h);
+    α-divergence (e^((α-1)h) - 1)/(α-1), exponent clamped at 80 (h itself at α = 1)."""
+    if kind == "forward_kl":
+        return 1 - torch.exp(-logratios)
+    if kind == "js_divergence":
+        return math.log(2) + F.logsigmoid(logratios)
+    if kind == "alpha_divergence" and abs(alpha - 1.0) >= 1e-6:
+        exponent = torch.clamp(((alpha - 1.0) * logratios).float(), max=80.0)
+        return (torch.exp(exponent) - 1.0).to(logratios.dtype) / (alpha - 1.0)
+    return logratios
+
+
+def pair_losses(t: dict, loss_type: str, beta: float, smoothing: float, tau: float) -> torch.Tensor:
+    """Per-pair loss `(B,)` of one loss type. `t`: h_w, h_l (log-ratios), delta (score difference), s_w, s_l,
+    logps_w/l and ref_w/l (sequence log-probs), len_w/len_l (completion lengths), sft (the chosen-token NLL)."""
+    h_w, h_l, d = t["h_w"], t["h_l"], t["delta"]
+    if loss_type == "sigmoid":  # DPO, Eq. 7: -log σ(βΔ)
+        return -F.logsigmoid(beta * d)
+    if loss_type == "hinge":  # SLiC, Zhao et al., 2023 (arXiv:2305.10425): max(0, 1 - βΔ)
+        return torch.relu(1 - beta * d)
+    if loss_type in ("ipo", "sigmoid_norm"):  # per-token scores; IPO (arXiv:2310.12036, Eq. 17): (Δ̄ - 1/2τ)², τ=β
+        d = t["s_w"] / t["len_w"] - t["s_l"] / t["len_l"]
+        return (d - 1 / (2 * beta)) ** 2 if loss_type == "ipo" else -F.logsigmoid(beta * d)
+    if loss_type == "exo_pair":  # EXO (arXiv:2402.00856, Eq. 16): KL(softmax(βΔ) || [1-ε, ε])
+        q_w, q_l = torch.sigmoid(beta * d), torch.sigmoid(-beta * d)
+        return q_w * (F.logsigmoid(beta * d) - math.log1p(-smoothing)) + q_l * (
+            F.logsigmoid(-beta * d) - math.log(smoothing)
+        )
+    if loss_type == "nca_pair":  # NCA (arXiv:2402.05369): -log σ(βh_w) - ½ log σ(-βh_w) - ½ log σ(-βh_l)
+        return -F.logsigmoid(beta * h_w) - 0.5 * F.logsigmoid(-beta * h_w) - 0.5 * F.logsigmoid(-beta * h_l)
+    if loss_type == "robust":  # rDPO (arXiv:2403.00409, Eq. 5), ε = label_smoothing
+        return (-(1 - smoothing) * F.logsigmoid(beta * d) + smoothing * F.logsigmoid(-beta * d)) / (1 - 2 * smoothing)
+    if loss_type == "bco_pair":  # BCO (arXiv:2404.04656), paired: -log σ(βh_w) - log σ(-βh_l)
+        return -F.logsigmoid(beta * h_w) - F.logsigmoid(-beta * h_l)
+    if loss_type == "sppo_hard":  # SPPO (arXiv:2405.00675), hard labels: (h_w - 1/2β)² + (h_l + 1/2β)²
+        return (h_w - 0.5 / beta) ** 2 + (h_l + 0.5 / beta) ** 2
+    if loss_type in ("aot", "aot_unpaired"):  # AOT (arXiv:2406.05882): sorted log-ratio distributions, smoothed
+        if loss_type == "aot":
+            a, b = torch.sort(t["logps_w"] - t["logps_l"], dim=0)[0], torch.sort(t["ref_w"] - t["ref_l"], dim=0)[0]
+        else:
+            a, b = torch.sort(h_w, dim=0)[0], torch.sort(h_l, dim=0)[0]
+        return -F.logsigmoid(beta * (a - b)) * (1 - smoothing) - F.logsigmoid(-beta * (a - b)) * smoothing
+    if loss_type == "apo_zero":  # APO (arXiv:2408.06266, Eq. 7): 1 - σ(βh_w) + σ(βh_l)
+        return 1 - torch.sigmoid(beta * h_w) + torch.sigmoid(beta * h_l)
+    if loss_type == "apo_down":  # APO, Eq. 8: σ(βh_w) + 1 - σ(β(h_w - h_l))
+        return torch.sigmoid(beta * h_w) + 1 - torch.sigmoid(beta * (h_w - h_l))
+    if loss_type == "discopop":  # DiscoPOP (arXiv:2406.08414, Eq. 5): log-ratio modulated logistic/exponential mix
+        mix = torch.sigmoid(beta * d / tau)
+        return -F.logsigmoid(beta * d) * (1 - mix) + torch.exp(-beta * d) * mix
+    if loss_type == "sft":  # NLL of the chosen tokens (RPO-style term), the same value for every pair
+        return t["sft"].expand(h_w.size(0))
+    raise ValueError(f"Unknown loss type {loss_type!r}")
+
+
+class DPOTrainer(PreferenceTrainer):
+    """DPO and its variants (see the module docstring). Same constructor as `trl.DPOTrainer`."""
+
+    _name = "DPO"
+    config_class = DPOConfig
+    paired = True
+    required_columns = [("chosen", "rejected")]
+    signature_columns = ["prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logps", "ref_rejected_logps"]
+
+    def sequence_logps(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Σ_t over completion tokens `(2B,)`; with ld_alpha the tokens beyond the pair's shorter completion
+        count α times."""
+        if self.args.ld_alpha is None:
+            return per_token.sum(1)
+        position = mask.cumsum(1)
+        shared = torch.minimum(*mask.sum(1).chunk(2)).repeat(2)[:, None]
+        in_shared = (position > 0) & (position <= shared)
+        return (per_token * in_shared).sum(1) + self.args.ld_alpha * (per_token * (position > shared)).sum(1)
+
+    def reference_columns(self, batch):
+        ref = self.sequence_logps(self.reference_completion_logps(batch), batch["completion_mask"][:, 1:])
+        chosen, rejected = ref.chunk(2)
+        return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
+
+    def compute_policy_loss(self, model, inputs, num_items_in_batch=None):
+        args = self.args
+        mask = inputs["completion_mask"][:, 1:]
+        per_token, out = self.completion_logps(model, inputs, stats=True)
+        logps_w, logps_l = self.sequence_logps(per_token, mask).chunk(2)
+        if "ref_chosen_logps" in inputs:
+            ref_w, ref_l = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
+        else:
+            ref_w, ref_l = self.sequence_logps(self.reference_completion_logps(inputs), mask).chunk(2)
+        h_w, h_l = logps_w - ref_w, logps_l - ref_l
+        s_w, s_l = (f_scores(h, args.f_divergence_type, args.f_alpha_divergence_coef) for h in (h_w, h_l))
+        len_w, len_l = inputs["completion_mask"].sum(1).clamp(min=1).chunk(2)
+        mask_w = mask[: mask.size(0) // 2].bool()
+        terms = dict(h_w=h_w, h_l=h_l, s_w=s_w, s_l=s_l, delta=s_w - s_l, logps_w=logps_w, logps_l=logps_l,
+                     ref_w=ref_w, ref_l=ref_l, len_w=len_w, len_l=len_l)  # fmt: skip
+        if "sft" in args.loss_type:
+            terms["sft"] = -per_token[: mask.size(0) // 2][mask_w].mean()
+        weights = 1.0
+        if args.use_weighting:  # WPO, Eq. 2: exp of the length-normalised, sharpness-aligned log-probs, no grad
+            with torch.no_grad():
+                aligned = ((per_token - out.log_sum_sq_probs) * mask).sum(1) / mask.sum(1).clamp(min=1)
+                weights = torch.prod(torch.stack(torch.exp(aligned).chunk(2)), dim=0)
+        loss = 0.0
+        for loss_type, weight in zip(args.loss_type, args.loss_weights or [1.0] * len(args.loss_type), strict=True):
+            per_pair = pair_losses(terms, loss_type, self.beta, args.label_smoothing, args.discopop_tau)
+            loss = loss + (per_pair * weights).mean() * weight
+        loss = self.add_aux_loss(loss, out)
+
+        self._log_pair_metrics(inputs, out, h_w.detach(), h_l.detach(), logps_w.detach(), logps_l.detach(), mask_w)
+        return loss
+
+    def _log_pair_metrics(self, inputs, out, h_w, h_l, logps_w, logps_l, mask_w):
+        half = inputs["input_ids"].size(0) // 2
+        is_chosen = torch.arange(2 * half, device=h_w.device) < half
+        self.log_sequence_metrics(inputs, out, {"chosen": is_chosen, "rejected": ~is_chosen})
+        gather = self.accelerator.gather_for_metrics
+        correct = gather((out.is_top1[:half] & mask_w).sum()).sum()
+        total = gather(mask_w.sum()).sum()
+        self.log_metric("mean_token_accuracy", (correct / total).item() if total > 0 else 0.0)
+        r_w, r_l = gather(self.beta * h_w), gather(self.beta * h_l)
+        self.log_metric("rewards/chosen", r_w.mean().item())
+        self.log_metric("rewards/rejected", r_l.mean().item())
+        self.log_metric("rewards/accuracies", (r_w > r_l).float().mean().item())
+        self.log_metric("rewards/margins", (r_w - r_l).mean().item())
+        self.log_metric("logps/chosen", gather(logps_w).mean().item())
+        self.log_metric("logps/rejected", gather(logps_l).mean().item())
