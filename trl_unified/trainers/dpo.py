@@ -104,7 +104,9 @@ class DPOConfig(PreferenceConfig):
             ("truncation_mode='keep_end'", self.truncation_mode == "keep_end", "use 'keep_start'"),
         ):
             if value:
-                warnings.warn(f"{name} is deprecated in TRL and will be removed in v2.0.0: {advice}.", FutureWarning)
+                warnings.warn(
+                    f"{name} is deprecated in TRL, removed in v2.0.0: {advice}.", FutureWarning, stacklevel=2
+                )
         super().__post_init__()
 
 
