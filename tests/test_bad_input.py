@@ -15,7 +15,17 @@ from peft import LoraConfig, get_peft_model
 from transformers import BitsAndBytesConfig, GenerationConfig
 
 from tests.helpers import prompt_dataset, rloo_args, varied_reward
-from trl_unified import GRMConfig, GRMTrainer, RLOOConfig, RLOOTrainer, generate_batched
+from trl_unified import (
+    DPOConfig,
+    DPOTrainer,
+    GRMConfig,
+    GRMTrainer,
+    KTOConfig,
+    KTOTrainer,
+    RLOOConfig,
+    RLOOTrainer,
+    generate_batched,
+)
 from trl_unified.testing import build_causal_lm, build_image, build_sequence_classifier, build_tokenizer
 
 
@@ -59,6 +69,32 @@ def grm_with_formatting_func(ctx, **config):
     data = Dataset.from_dict({"prompt": ["a b"], "completion": ["<answer> a </answer>"]})
     return GRMTrainer(ctx["llama"], args=args, train_dataset=data, processing_class=ctx["tok"],
                       formatting_func=lambda row: row["prompt"] + row["completion"])  # fmt: skip
+
+
+PAIRS = {"prompt": ["a b", "c d e"], "chosen": [" f g", " h"], "rejected": [" i", " j k"]}
+UNPAIRED = {"prompt": ["a b", "c d e"], "completion": [" f g", " h"], "label": [True, False]}
+
+
+def preference(ctx, name, data, dataset=None, **kwargs):
+    config = kwargs.pop("config", {})
+    args = (DPOConfig if name == "dpo" else KTOConfig)(
+        output_dir=str(ctx["tmp"]), bf16=False, report_to=[], per_device_train_batch_size=2, **config
+    )
+    return (DPOTrainer if name == "dpo" else KTOTrainer)(
+        kwargs.pop("model", ctx["llama"]),
+        args=args,
+        train_dataset=Dataset.from_dict(data) if dataset is None else dataset,
+        processing_class=ctx["tok"],
+        **kwargs,
+    )
+
+
+def dpo_config(ctx, **kwargs):
+    return DPOConfig(output_dir=str(ctx["tmp"]), bf16=False, **kwargs)
+
+
+def kto_config(ctx, **kwargs):
+    return KTOConfig(output_dir=str(ctx["tmp"]), bf16=False, **kwargs)
 
 
 def rloo_config(ctx, **kwargs):
@@ -419,6 +455,158 @@ CASES = [
     ),
     ("generate_empty_string", lambda c: generate(c, ["a", ""]), ValueError, r"prompts\[1\] encode to no tokens"),
     ("generate_int", lambda c: generate(c, 3), TypeError, r"prompts is a int"),
+    # ---------------------------------------------------------------- DPO / KTO
+    (
+        "dpo_no_train_dataset",
+        lambda c: DPOTrainer(c["llama"], args=dpo_config(c)),
+        ValueError,
+        r"`train_dataset` is required",
+    ),
+    (
+        "dpo_missing_rejected",
+        lambda c: preference(c, "dpo", {"prompt": ["a"], "chosen": [" b"]}),
+        ValueError,
+        r"columns \['chosen', 'prompt'\], but DPOTrainer needs chosen/rejected",
+    ),
+    ("dpo_unpaired_rows", lambda c: preference(c, "dpo", UNPAIRED), ValueError, r"DPOTrainer needs chosen/rejected"),
+    (
+        "kto_missing_label",
+        lambda c: preference(c, "kto", {"prompt": ["a"], "completion": [" b"]}),
+        ValueError,
+        r"KTOTrainer needs completion/label or chosen/rejected",
+    ),
+    (
+        "kto_label_ints",
+        lambda c: preference(c, "kto", {**UNPAIRED, "label": [1, 0]}),
+        ValueError,
+        r"label column has type int64, but KTO needs booleans",
+    ),
+    (
+        "kto_label_strings",
+        lambda c: preference(c, "kto", {**UNPAIRED, "label": ["good", "bad"]}),
+        ValueError,
+        r"label column has type string",
+    ),
+    (
+        "dpo_prompts_fill_max_length",
+        lambda c: preference(c, "dpo", PAIRS, config={"max_length": 2}),
+        ValueError,
+        r"Every row of the train dataset has a prompt of max_length=2 tokens or more",
+    ),
+    ("dpo_max_length_1", lambda c: dpo_config(c, max_length=1), ValueError, r"max_length=1: a row needs at least"),
+    (
+        "dpo_ref_model_other_vocabulary",
+        lambda c: preference(
+            c, "dpo", PAIRS, ref_model=build_causal_lm(build_tokenizer(words=[f"w{i}" for i in range(300)]), "llama")
+        ),
+        ValueError,
+        r"vocabulary \(\d+ tokens\) differs from the policy",
+    ),
+    (
+        "dpo_ref_model_is_model",
+        lambda c: preference(c, "dpo", PAIRS, model=(m := build_causal_lm(c["tok"])), ref_model=m),
+        ValueError,
+        r"cannot be the same object",
+    ),
+    ("dpo_unknown_loss", lambda c: dpo_config(c, loss_type="dpo"), ValueError, r"loss_type \['dpo'\] unknown"),
+    (
+        "dpo_loss_weights_length",
+        lambda c: dpo_config(c, loss_type=["sigmoid", "sft"], loss_weights=[1.0]),
+        ValueError,
+        r"loss_weights has 1 weights for 2 loss types",
+    ),
+    (
+        "dpo_exo_without_smoothing",
+        lambda c: dpo_config(c, loss_type="exo_pair"),
+        ValueError,
+        r"'exo_pair' needs label_smoothing > 0",
+    ),
+    (
+        "dpo_f_divergence_with_bco",
+        lambda c: dpo_config(c, loss_type="bco_pair", f_divergence_type="forward_kl"),
+        ValueError,
+        r"f_divergence_type='forward_kl' only applies to",
+    ),
+    (
+        "dpo_unknown_f_divergence",
+        lambda c: dpo_config(c, f_divergence_type="kl"),
+        ValueError,
+        r"f_divergence_type='kl' is not one of",
+    ),
+    (
+        "dpo_weighting_with_aot",
+        lambda c: dpo_config(c, loss_type="aot", use_weighting=True),
+        NotImplementedError,
+        r"use_weighting is not defined for 'aot'",
+    ),
+    ("dpo_ld_alpha_out_of_range", lambda c: dpo_config(c, ld_alpha=1.5), ValueError, r"ld_alpha=1.5 must be in"),
+    (
+        "dpo_bad_truncation_mode",
+        lambda c: dpo_config(c, truncation_mode="middle"),
+        ValueError,
+        r"truncation_mode='middle' must be",
+    ),
+    (
+        "dpo_sync_with_precompute",
+        lambda c: dpo_config(c, sync_ref_model=True, precompute_ref_log_probs=True),
+        ValueError,
+        r"sync_ref_model=True with precompute_ref_log_probs=True",
+    ),
+    (
+        "dpo_sync_with_peft",
+        lambda c: preference(c, "dpo", PAIRS, config={"sync_ref_model": True}, peft_config=LoraConfig(**LORA)),
+        NotImplementedError,
+        r"sync_ref_model=True.*PEFT",
+    ),
+    (
+        "dpo_precompute_iterable",
+        lambda c: preference(
+            c,
+            "dpo",
+            None,
+            dataset=Dataset.from_dict(PAIRS).to_iterable_dataset(),
+            config={"precompute_ref_log_probs": True},
+        ),
+        ValueError,
+        r"needs a map-style Dataset",
+    ),
+    (
+        "dpo_image_rows",
+        lambda c: preference(c, "dpo", {**PAIRS, "images": [[build_image()], [build_image()]]}),
+        NotImplementedError,
+        r"vision-language preference rows are not implemented",
+    ),
+    (
+        "dpo_compute_metrics",
+        lambda c: preference(c, "dpo", PAIRS, compute_metrics=len),
+        NotImplementedError,
+        r"compute_metrics is not supported",
+    ),
+    (
+        "dpo_dataset_dict",
+        lambda c: preference(c, "dpo", None, dataset=DatasetDict(train=Dataset.from_dict(PAIRS))),
+        ValueError,
+        r"train_dataset is a DatasetDict",
+    ),
+    (
+        "dpo_aux_loss_on_dense_model",
+        lambda c: preference(c, "dpo", PAIRS, config={"router_aux_loss_coef": 0.01}),
+        ValueError,
+        r"router_aux_loss_coef=0.01, but .* is not a Mixture-of-Experts",
+    ),
+    ("kto_unknown_loss", lambda c: kto_config(c, loss_type="bco"), ValueError, r"loss_type='bco' is not one of"),
+    (
+        "kto_random_sampling",
+        lambda c: kto_config(c, train_sampling_strategy="random"),
+        ValueError,
+        r"needs train_sampling_strategy='sequential'",
+    ),
+    (
+        "kto_batch_of_one",
+        lambda c: kto_config(c, per_device_train_batch_size=1),
+        ValueError,
+        r"per_device_train_batch_size must be > 1 for loss_type='kto'",
+    ),
 ]
 
 

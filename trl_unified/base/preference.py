@@ -250,6 +250,12 @@ class PreferenceTrainer(PolicyTrainerBase):
     ):
         if train_dataset is None:
             raise ValueError("`train_dataset` is required")
+        if compute_metrics is not None:
+            raise NotImplementedError(
+                "compute_metrics is not supported by the preference trainers: it needs the eval logits, which TRL "
+                "1.16 deprecates for DPO/KTO. The preference metrics (eval_rewards/*, eval_logps/*) and the generative "
+                "accuracy (eval_accuracy, for eval rows with an answer column) are logged without it."
+            )
         if ref_model is not None and ref_model is model:
             raise ValueError(
                 "`model` and `ref_model` cannot be the same object. Omit `ref_model` and a frozen copy is made."
@@ -304,6 +310,11 @@ class PreferenceTrainer(PolicyTrainerBase):
         names = set(column_names(dataset) or next(iter(dataset)).keys())
         if "prompt_ids" in names:
             return
+        if names & {"image", "images"}:
+            raise NotImplementedError(
+                f"The {name} dataset has an image column: vision-language preference rows are not implemented in "
+                f"trl_unified's {type(self).__name__} yet. Use trl's trainer for them, or drop the images."
+            )
         if not any(set(option) <= names for option in self.required_columns):
             wanted = " or ".join("/".join(option) for option in self.required_columns)
             raise ValueError(

@@ -1,0 +1,162 @@
+"""A real pretrained model on a real task: trl_unified vs TRL 1.16, RLOO on SmolLM2-135M-Instruct learning one-digit
+addition (the task of `examples/arithmetic.py`: same data, reward, settings and seeds).
+
+Each run trains in its own fresh subprocess (so peak RSS is its own), TRL then ours, `--repeats` times alternating.
+After training, the held-out accuracy of both is measured by the same code (greedy `generate_batched`, the last
+number of the generation against a + b, 40 held-out problems). Printed:
+
+    ratio step_time=X peak_rss=Y            (ours / TRL's: median seconds per step, first step excluded; peak RSS)
+    accuracy before=B ours=A trl=T          (held-out accuracy of the base model, then after training)
+
+and `benchmarks/real_task_curve.png` (train reward of both against steps).
+
+Usage: python benchmarks/real_task.py [--steps 60] [--repeats 1] [--threads 2] [--seed 0]
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+
+def held_out_accuracy(model, tokenizer, rows) -> float:
+    from arithmetic import last_number
+
+    from transformers import GenerationConfig
+
+    from trl_unified import generate_batched
+
+    config = GenerationConfig(
+        max_new_tokens=10, do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+    out = generate_batched(model.eval(), tokenizer, rows["prompt"], generation_config=config, batch_size=40)
+    return sum(last_number(t) == a for t, a in zip(out.texts, rows["answer"], strict=True)) / len(rows["answer"])
+
+
+def run_one(impl: str, steps: int, seed: int, out: str) -> None:
+    from arithmetic import problems, sum_correct, training_config
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+
+    from trl_unified.pretrained import smollm2_135m_instruct
+
+    library = __import__("trl" if impl == "trl" else "trl_unified")
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.times = []
+
+        def on_step_begin(self, *args, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *args, **kwargs):
+            self.times.append(time.perf_counter() - self.start)
+
+    path = smollm2_135m_instruct()
+    train_rows, eval_rows = problems()
+    timer = Timer()
+    trainer = library.RLOOTrainer(
+        model=path,
+        reward_funcs=sum_correct,
+        args=training_config(library.RLOOConfig, tempfile.mkdtemp(), steps, seed),
+        train_dataset=Dataset.from_dict(train_rows),
+        processing_class=AutoTokenizer.from_pretrained(path),
+        callbacks=[timer],
+    )
+    trainer.train()
+    accuracy = held_out_accuracy(trainer.model, trainer.processing_class, eval_rows)
+    rewards = [(log["step"], log["reward"]) for log in trainer.state.log_history if "reward" in log]
+    json.dump(
+        {
+            "times": timer.times,
+            "accuracy": accuracy,
+            "rewards": rewards,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        },
+        open(out, "w"),
+    )
+
+
+def base_accuracy() -> float:
+    from arithmetic import problems
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_unified.pretrained import smollm2_135m_instruct
+
+    path = smollm2_135m_instruct()
+    return held_out_accuracy(AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path),
+                             problems()[1])  # fmt: skip
+
+
+def main():
+    parser = argparse.ArgumentParser(description="RLOO on SmolLM2-135M-Instruct, arithmetic: trl_unified vs TRL")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--child", nargs=2, metavar=("IMPL", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.child:
+        run_one(args.child[0], args.steps, args.seed, args.child[1])
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    before = base_accuracy()
+    workdir = tempfile.mkdtemp()
+    results = {"trl": [], "ours": []}
+    for _ in range(args.repeats):
+        for impl in ("trl", "ours"):
+            out = os.path.join(workdir, f"{impl}.json")
+            cmd = [sys.executable, __file__, "--steps", str(args.steps), "--threads", str(args.threads), "--seed",
+                   str(args.seed), "--child", impl, out]  # fmt: skip
+            subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            results[impl].append(json.load(open(out)))
+    summary = {}
+    for impl, runs in results.items():
+        summary[impl] = {
+            "step": statistics.median(statistics.median(r["times"][1:]) for r in runs),
+            "rss": statistics.median(r["peak_rss_mb"] for r in runs),
+            "accuracy": statistics.mean(r["accuracy"] for r in runs),
+        }
+        s = summary[impl]
+        print(f"{impl:5s} {s['step']:.2f} s/step  peak RSS {s['rss']:.0f} MB  held-out accuracy {s['accuracy']:.3f}")
+    save_curve(results, os.path.join(HERE, "real_task_curve.png"), before)
+    ours, trl = summary["ours"], summary["trl"]
+    print(f"ratio step_time={ours['step'] / trl['step']:.2f} peak_rss={ours['rss'] / trl['rss']:.2f}")
+    print(f"accuracy before={before:.3f} ours={ours['accuracy']:.3f} trl={trl['accuracy']:.3f}")
+
+
+def save_curve(results, path, before):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for impl, style in (("ours", "-"), ("trl", "--")):
+        run = results[impl][0]
+        ax.plot(*zip(*run["rewards"]), style, marker="o", markersize=3, label=f"train reward, {impl}")
+        ax.scatter([run["rewards"][-1][0]], [run["accuracy"]], marker="s", s=40, label=f"held-out accuracy, {impl}")
+    ax.axhline(before, color="gray", linestyle=":", label="held-out accuracy, base model")
+    ax.set(xlabel="step", ylabel="fraction correct", ylim=(0, 1.05),
+           title="SmolLM2-135M-Instruct, RLOO on one-digit addition")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
