@@ -104,7 +104,9 @@ def main(trainer_class, config_class):
             accuracy = "eval_rewards/accuracies"
             if accuracy in first:
                 print(f"held-out reward accuracy: {first[accuracy]:.3f} -> {last[accuracy]:.3f}")
-            print(f"held-out reward margin:   {first['eval_rewards/margins']:.3f} -> {last['eval_rewards/margins']:.3f}")
+            print(
+                f"held-out reward margin:   {first['eval_rewards/margins']:.3f} -> {last['eval_rewards/margins']:.3f}"
+            )
             save_preference_curve(trainer.state.log_history, os.path.join(training_args.output_dir, "rewards.png"),
                                   f"{trainer._name} on held-out pairs")  # fmt: skip
         print(f"model, tokenizer, model card and rewards.png saved to {training_args.output_dir}")

@@ -152,7 +152,7 @@ KTO_CASES = {
     "precompute": dict(precompute_ref_log_probs=True),
     "peft": dict(peft=True),
     "grad_accumulation": dict(per_device_train_batch_size=2, gradient_accumulation_steps=2),
-    "paired_rows": dict(paired=True),
+    "paired_rows": dict(paired=True, per_device_train_batch_size=8),  # 4 pairs: 4 desirable + 4 undesirable rows
 }
 
 

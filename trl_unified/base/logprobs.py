@@ -71,6 +71,7 @@ def compute_token_logprobs(
     output_router_logits: bool = False,
     share_prompt: bool = False,
     token_stats: bool = False,
+    sum_sq_probs: bool = False,
     **forward_kwargs,
 ) -> TokenLogprobs:
     """Log-probs of the last `logits_to_keep` tokens of `input_ids` under `model`, logits divided by `temperature`.
@@ -90,8 +91,10 @@ def compute_token_logprobs(
             (an entropy bonus in the loss); otherwise they are computed without grad, for logging and masks.
         batch_size (`int`, *optional*): rows per forward pass; all rows at once by default.
         output_router_logits (`bool`, *optional*, defaults to `False`): return the MoE load-balancing loss.
-        token_stats (`bool`, *optional*, defaults to `False`): also return, without grad, the per-token mean logit,
-            whether the token is the argmax, and log Σ_v p_v² (for metrics and WPO weights).
+        token_stats (`bool`, *optional*, defaults to `False`): also return, without grad, the per-token mean logit
+            and whether the token is the argmax (metrics).
+        sum_sq_probs (`bool`, *optional*, defaults to `False`): also return log Σ_v p_v² per token, without grad
+            (WPO weights).
         share_prompt (`bool`, *optional*, defaults to `False`): encode each distinct prompt (`input_ids[:, :-C]`) of a
             chunk once and reuse its KV cache for the rows that repeat it (see `base/prefix.py`); same log-probs and,
             under grad, same gradients as the plain forward, less compute when prompts repeat. The caller decides
@@ -153,6 +156,8 @@ def compute_token_logprobs(
             with torch.no_grad():
                 stats["mean_logits"].append(logits.mean(-1).float())
                 stats["is_top1"].append(logits.argmax(-1) == input_ids[rows, -logits_to_keep:])
+        if sum_sq_probs:
+            with torch.no_grad():
                 stats["log_sum_sq_probs"].append(torch.logsumexp(2 * logits.float().log_softmax(-1), dim=-1))
         if output_router_logits and getattr(outputs, "aux_loss", None) is not None:
             aux_losses.append(outputs.aux_loss)
@@ -160,5 +165,5 @@ def compute_token_logprobs(
         logps=torch.cat(logps),
         entropy=torch.cat(entropies) if compute_entropy else None,
         aux_loss=torch.stack(aux_losses).mean() if aux_losses else None,
-        **({key: torch.cat(values) for key, values in stats.items()} if token_stats else {}),
+        **{key: torch.cat(values) for key, values in stats.items() if values},
     )

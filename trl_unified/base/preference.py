@@ -351,6 +351,7 @@ class PreferenceTrainer(PolicyTrainerBase):
                 input_ids.size(1) - 1,
                 compute_entropy=stats,
                 token_stats=stats,
+                sum_sq_probs=stats and getattr(self.args, "use_weighting", False),
                 output_router_logits=stats and self._aux_loss_coef != 0.0,
                 use_cache=False,
             )
