@@ -30,7 +30,6 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 def held_out_accuracy(model, tokenizer, rows) -> float:
     from arithmetic import last_number
-
     from transformers import GenerationConfig
 
     from trl_unified import generate_batched

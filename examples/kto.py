@@ -2,9 +2,9 @@
 """Train a policy with KTO.
 
 With no arguments it runs an offline demo on CPU in well under a minute: a tiny Qwen2-style model and a word-level
-tokenizer are built locally (in a cache folder), the preference pairs are synthetic (unpaired by the trainer into desirable and undesirable rows) (chosen completions use the
-words a-m, rejected ones n-z), and held-out reward accuracy and margins are evaluated every 10 steps. It saves the
-model, tokenizer, model card and rewards.png.
+tokenizer are built locally (in a cache folder), the pairs are synthetic (chosen completions use the words a-m,
+rejected ones n-z) and unpaired into desirable and undesirable rows, and held-out reward margins are evaluated every
+10 steps. It saves the model, tokenizer, model card and rewards.png.
 
     accelerate launch examples/kto.py
 

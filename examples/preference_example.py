@@ -72,6 +72,7 @@ def main(trainer_class, config_class):
         train_dataset, eval_dataset = toy_preferences(256, 0), toy_preferences(64, 1)
         if not trainer_class.paired:  # KTO: unpaired rows, mixed so each batch holds both labels
             train_dataset = unpair_preference_dataset(train_dataset).shuffle(seed=0)
+            eval_dataset = unpair_preference_dataset(eval_dataset).shuffle(seed=0)
     else:
         model = model_args.model_name_or_path
         training_args.model_init_kwargs = {
@@ -93,12 +94,12 @@ def main(trainer_class, config_class):
         quantization_config=None if demo else get_quantization_config(model_args),
         peft_config=None if demo else get_peft_config(model_args),
     )
-    if eval_dataset is not None:
-        trainer.evaluate()  # the starting point of the curves
+    start = [{**trainer.evaluate(), "step": 0}] if eval_dataset is not None else []  # train() resets the history
     trainer.train()
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
-        evals = [log for log in trainer.state.log_history if "eval_rewards/margins" in log]
+        history = start + trainer.state.log_history
+        evals = [log for log in history if "eval_rewards/margins" in log]
         if evals:
             first, last = evals[0], evals[-1]
             accuracy = "eval_rewards/accuracies"
@@ -107,7 +108,7 @@ def main(trainer_class, config_class):
             print(
                 f"held-out reward margin:   {first['eval_rewards/margins']:.3f} -> {last['eval_rewards/margins']:.3f}"
             )
-            save_preference_curve(trainer.state.log_history, os.path.join(training_args.output_dir, "rewards.png"),
+            save_preference_curve(history, os.path.join(training_args.output_dir, "rewards.png"),
                                   f"{trainer._name} on held-out pairs")  # fmt: skip
         print(f"model, tokenizer, model card and rewards.png saved to {training_args.output_dir}")
     if training_args.push_to_hub:

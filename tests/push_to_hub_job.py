@@ -10,7 +10,7 @@ torch.set_num_threads(1)
 from datasets import Dataset  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 
-from trl_unified import GRMConfig, GRMTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
+from trl_unified import DPOConfig, DPOTrainer, GRMConfig, GRMTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 from trl_unified.testing import build_causal_lm, build_tokenizer, save_tiny_model  # noqa: E402
 
 
@@ -29,7 +29,10 @@ common = dict(
     logging_steps=1,
 )
 data = Dataset.from_dict({"prompt": ["a b", "c d"] * 4, "completion": ["<answer> a </answer>"] * 8})
-if kind == "grm":
+if kind == "dpo":
+    pairs = Dataset.from_dict({"prompt": ["a b", "c d"] * 4, "chosen": [" e"] * 8, "rejected": [" f g"] * 8})
+    trainer = DPOTrainer(path, args=DPOConfig(per_device_train_batch_size=4, **common), train_dataset=pairs)
+elif kind == "grm":
     trainer = GRMTrainer(path, args=GRMConfig(per_device_train_batch_size=4, **common), train_dataset=data)
 else:
     trainer = RLOOTrainer(

@@ -14,7 +14,7 @@ torch.set_num_threads(1)
 from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from trl_unified import GRMConfig, GRMTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
+from trl_unified import DPOConfig, DPOTrainer, GRMConfig, GRMTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 from trl_unified.testing import build_causal_lm, build_tokenizer  # noqa: E402
 
 
@@ -60,6 +60,16 @@ if kind == "grm":
         train_dataset=data,
         processing_class=tokenizer,
         callbacks=callbacks,
+    )
+elif kind.startswith("dpo"):  # dpo: reference copy; dpo_precompute: precomputed reference log-probs
+    pairs = {
+        "prompt": ["a b c", "d e", "f g h i", "j k", "l", "m n o", "p q", "r s t u"] * 2,
+        "chosen": [" a b", " c", " d e f", " g", " h i", " j", " k l m", " n"] * 2,
+        "rejected": [" o", " p q", " r", " s t u", " v", " w x", " y", " z a"] * 2,
+    }
+    args = DPOConfig(per_device_train_batch_size=4, precompute_ref_log_probs=kind == "dpo_precompute", **common)
+    trainer = DPOTrainer(
+        model, args=args, train_dataset=Dataset.from_dict(pairs), processing_class=tokenizer, callbacks=callbacks
     )
 else:
     prompts = ["a b c", "d e", "f g h i", "j k", "l", "m n o", "p q", "r s t u"]

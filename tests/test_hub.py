@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "hf_thisIsASecretTestToken123"
 
 
-@pytest.mark.parametrize("kind", ["rloo", "rloo_peft", "grm"])
+@pytest.mark.parametrize("kind", ["rloo", "rloo_peft", "grm", "dpo"])
 def test_push_to_hub_uploads_model_tokenizer_and_card(kind, tmp_path):
     with HubStandIn() as hub:
         env = {
@@ -45,10 +45,11 @@ def test_push_to_hub_uploads_model_tokenizer_and_card(kind, tmp_path):
     assert not any(name.endswith((".bin", ".pt")) and "training_args" not in name for name in files)
     assert "tokenizer.json" in files and "tokenizer_config.json" in files
     card = files["README.md"].decode()
-    trainer = {"grm": "GRM", "rloo": "RLOO", "rloo_peft": "RLOO"}[kind]
+    trainer = {"grm": "GRM", "rloo": "RLOO", "rloo_peft": "RLOO", "dpo": "DPO"}[kind]
     assert f"**{trainer}**" in card and f"{trainer}Trainer" in card
     assert "tester/toy-prompts" in card  # dataset
-    assert ("2402.14740" if trainer == "RLOO" else "2408.15240") in card and "@" in card  # the paper's citation
+    paper = {"RLOO": "2402.14740", "GRM": "2408.15240", "DPO": "2305.18290"}[trainer]
+    assert paper in card and "@" in card  # the paper's citation
     assert "trl_unified" in card and "tags:" in card
     for name, content in files.items():
         assert TOKEN.encode() not in content, f"token leaked into {name}"

@@ -1,5 +1,6 @@
-"""Run by test_multiprocess.py: 2 steps of RLOO, GRPO or GRM with a given layout (ddp: 2 processes x bs 4;
-single: 1 x bs 8; ga: 1 x bs 4 x accumulation 2); the main process saves the final parameters."""
+"""Run by test_multiprocess.py: 2 steps of RLOO, GRPO, GRM, DPO or KTO (apo_zero_unpaired, no per-device KL) with a
+given layout (ddp: 2 processes x bs 4; single: 1 x bs 8; ga: 1 x bs 4 x accumulation 2); the main process saves
+the final parameters."""
 
 import sys
 
@@ -11,7 +12,18 @@ torch.set_num_threads(1)
 from datasets import Dataset  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
-from trl_unified import GRMConfig, GRMTrainer, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
+from trl_unified import (  # noqa: E402
+    DPOConfig,
+    DPOTrainer,
+    GRMConfig,
+    GRMTrainer,
+    GRPOConfig,
+    GRPOTrainer,
+    KTOConfig,
+    KTOTrainer,
+    RLOOConfig,
+    RLOOTrainer,
+)
 from trl_unified.testing import build_causal_lm, build_tokenizer  # noqa: E402
 
 
@@ -65,6 +77,23 @@ if kind in ("rloo", "grpo"):
         train_dataset=Dataset.from_dict({"prompt": ["a b c", "d e"]}),
         processing_class=tokenizer,
     )
+elif kind in ("dpo", "kto"):
+    pairs = {
+        "prompt": ["a b c", "d e", "f g h i", "j k", "l", "m n o", "p q", "r s t u"],
+        "chosen": [" a b", " c", " d e f", " g", " h i", " j", " k l m", " n"],
+        "rejected": [" o", " p q", " r", " s t u", " v", " w x", " y", " z a"],
+    }
+    if kind == "dpo":
+        args = DPOConfig(beta=0.1, max_length=32, **common)
+        trainer = DPOTrainer(model, args=args, train_dataset=Dataset.from_dict(pairs), processing_class=tokenizer)
+    else:
+        rows = {
+            "prompt": pairs["prompt"],
+            "completion": [c if i % 2 else r for i, (c, r) in enumerate(zip(pairs["chosen"], pairs["rejected"]))],
+            "label": [bool(i % 2) for i in range(8)],
+        }
+        args = KTOConfig(loss_type="apo_zero_unpaired", beta=0.1, max_length=32, **common)
+        trainer = KTOTrainer(model, args=args, train_dataset=Dataset.from_dict(rows), processing_class=tokenizer)
 else:
     data = Dataset.from_dict(
         {

@@ -53,7 +53,7 @@ def test_grm_example_runs_with_two_processes(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("kind", ["rloo", "grpo", "grm"])
+@pytest.mark.parametrize("kind", ["rloo", "grpo", "grm", "dpo", "kto"])
 def test_ddp_two_processes_equal_one_process_and_accumulation(kind, tmp_path):
     """2 processes x bs 4 == 1 process x bs 8 == bs 4 x accumulation 2 after 2 SGD steps (tolerance 1e-5)."""
     script = os.path.join(ROOT, "tests", "distributed", "run_equivalence.py")

@@ -253,7 +253,7 @@ class PreferenceTrainer(PolicyTrainerBase):
         if compute_metrics is not None:
             raise NotImplementedError(
                 "compute_metrics is not supported by the preference trainers: it needs the eval logits, which TRL "
-                "1.16 deprecates for DPO/KTO. The preference metrics (eval_rewards/*, eval_logps/*) and the generative "
+                "1.16 deprecates for DPO/KTO. The preference metrics (eval_rewards/*, eval_logps/*) and generative "
                 "accuracy (eval_accuracy, for eval rows with an answer column) are logged without it."
             )
         if ref_model is not None and ref_model is model:

@@ -54,9 +54,8 @@ class KTOConfig(PreferenceConfig):
         super().__post_init__()
         if self.loss_type == "kto" and self.train_sampling_strategy != "sequential":
             raise ValueError(
-                f"loss_type='kto' estimates the KL term from each row's neighbours in a fixed-order batch, so it needs"
-                " "
-                f"train_sampling_strategy='sequential'; got {self.train_sampling_strategy!r}."
+                "loss_type='kto' estimates the KL term from each row's neighbours in a fixed-order batch, so it "
+                f"needs train_sampling_strategy='sequential'; got {self.train_sampling_strategy!r}."
             )
         if self.loss_type == "kto" and self.per_device_train_batch_size <= 1:
             raise ValueError(
