@@ -117,7 +117,7 @@ def run(trainer="rloo", max_steps=60, eval_steps=20, num_eval=40, seed=0, output
     start = time.perf_counter()
     policy_trainer.train()
     seconds_per_step = (time.perf_counter() - start) / max_steps
-    history = policy_trainer.state.log_history
+    history = [{"step": 0, "eval_accuracy": before}] + policy_trainer.state.log_history  # train() reset the history
     after = [log["eval_accuracy"] for log in history if "eval_accuracy" in log][-1]
     if policy_trainer.state.global_step % eval_steps:  # the last step was not evaluated by the schedule
         after = policy_trainer.evaluate()["eval_accuracy"]

@@ -48,7 +48,8 @@ class GRMReward:
         mode (`str`, *optional*, defaults to `"score"`): `"score"` or `"pairwise"`.
         template (`str`, *optional*): a format string with `{prompt}`, `{completion}` (and `{reference}`, `{low}`,
             `{high}`); defaults to `SCORE_TEMPLATE` / `PAIRWISE_TEMPLATE`.
-        low, high (`float`, *optional*, defaults to 1 and 10): the score range of `mode="score"`.
+        low (`float`, *optional*, defaults to 1): the lowest score of `mode="score"`.
+        high (`float`, *optional*, defaults to 10): the highest score of `mode="score"`.
         reference_field (`str`, *optional*, defaults to `"reference"`): the dataset column with the reference answer.
         batch_size (`int`, *optional*, defaults to 8): judge prompts per `generate` call.
         max_new_tokens (`int`, *optional*, defaults to 64): tokens per judgment.

@@ -11,6 +11,7 @@ import inspect
 import logging
 
 import torch
+from transformers import Cache
 
 
 logger = logging.getLogger(__name__)
@@ -44,20 +45,22 @@ def group_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[
     return first, inverse
 
 
-def encode_prefix(model, input_ids, attention_mask, length: int, groups, position_ids=None):
+def encode_prefix(model, input_ids, attention_mask, length: int, groups, position_ids=None) -> Cache:
     """The KV cache of the first `length` positions, computed once per distinct prompt and indexed out to every row.
 
     Args:
-        model: a decoder-only model (or a DDP / PEFT wrapper) whose forward takes `use_cache` and `logits_to_keep`.
-        input_ids, attention_mask (`torch.LongTensor`): `(B, T)`; rows of a group must be equal on `[:length]`.
+        model (`torch.nn.Module`): a decoder-only model (or a DDP / PEFT wrapper) whose forward takes `use_cache`
+            and `logits_to_keep`.
+        input_ids (`torch.LongTensor`): `(B, T)`; rows of a group must be equal on `[:length]`.
+        attention_mask (`torch.LongTensor`): `(B, T)`.
         length (`int`): how many leading positions to cache.
-        groups: `(first, inverse)` from `group_prompts`.
+        groups (`tuple[torch.Tensor, torch.Tensor]`): `(first, inverse)` from `group_prompts`.
         position_ids (`torch.LongTensor`, *optional*): `(B, T)` positions (generation derives them from the mask);
             the model's default (`cache_position`) otherwise.
 
     Returns:
-        A `Cache` with `B` rows. Under grad, the index from U to B rows is part of the graph, so the backward of
-        every row's loss flows into one prompt pass per group.
+        (`transformers.Cache`): the cache with `B` rows. Under grad, the index from U to B rows is part of the
+            graph, so the backward of every row's loss flows into one prompt pass per group.
     """
     first, inverse = groups
     kwargs = {} if position_ids is None else {"position_ids": position_ids[first, :length]}
