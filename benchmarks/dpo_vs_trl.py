@@ -20,12 +20,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 
 def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, precompute: bool) -> None:
     from datasets import Dataset
-    from transformers import PreTrainedTokenizerFast, TrainerCallback
+    from step_timer import StepTimer
+    from transformers import PreTrainedTokenizerFast
 
     library = __import__("trl" if impl == "trl" else "trl_unified")
     name = trainer.upper()
@@ -41,17 +41,7 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, prec
         "rejected": [" " + words(i, 24 + (i * 7) % 17, 43) for i in range(256)],
     }
 
-    class Timer(TrainerCallback):
-        def __init__(self):
-            self.times = []
-
-        def on_step_begin(self, *args, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, *args, **kwargs):
-            self.times.append(time.perf_counter() - self.start)
-
-    timer = Timer()
+    timer = StepTimer()
     args = config_class(
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=8 if trainer == "dpo" else 16,  # KTO: 16 unpaired rows = 8 pairs

@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 
 WORKLOADS = {
@@ -69,7 +68,8 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
     """Train `steps` steps of `trainer` ("rloo"/"grpo") with `impl` ("trl" or "ours"); timings to `out`."""
     import torch
     from datasets import Dataset
-    from transformers import PreTrainedTokenizerFast, TrainerCallback
+    from step_timer import StepTimer
+    from transformers import PreTrainedTokenizerFast
 
     library = __import__("trl" if impl == "trl" else "trl_unified")
     name = {"rloo": "RLOO", "grpo": "GRPO"}[trainer]
@@ -82,17 +82,7 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
     def reward(completions, **kwargs):
         return [c.count("w1") / max(1, len(c.split())) for c in completions]
 
-    class Timer(TrainerCallback):
-        def __init__(self):
-            self.times = []
-
-        def on_step_begin(self, *args, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, *args, **kwargs):
-            self.times.append(time.perf_counter() - self.start)
-
-    timer = Timer()
+    timer = StepTimer()
     args = config_class(
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=workload["batch_size"],

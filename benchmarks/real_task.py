@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,25 +43,16 @@ def held_out_accuracy(model, tokenizer, rows) -> float:
 def run_one(impl: str, steps: int, seed: int, out: str) -> None:
     from arithmetic import problems, sum_correct, training_config
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from step_timer import StepTimer
+    from transformers import AutoTokenizer
 
     from trl_unified.pretrained import smollm2_135m_instruct
 
     library = __import__("trl" if impl == "trl" else "trl_unified")
 
-    class Timer(TrainerCallback):
-        def __init__(self):
-            self.times = []
-
-        def on_step_begin(self, *args, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, *args, **kwargs):
-            self.times.append(time.perf_counter() - self.start)
-
     path = smollm2_135m_instruct()
     train_rows, eval_rows = problems()
-    timer = Timer()
+    timer = StepTimer()
     trainer = library.RLOOTrainer(
         model=path,
         reward_funcs=sum_correct,

@@ -11,6 +11,7 @@ import torch
 import trl
 from datasets import Dataset
 
+import trl_unified
 from trl_unified import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, PreferenceCollator
 from trl_unified.base.preference import pack
 from trl_unified.testing import build_causal_lm
@@ -18,7 +19,7 @@ from trl_unified.testing import build_causal_lm
 
 @pytest.mark.parametrize("name", ["DPO", "KTO"])
 def test_config_has_every_trl_field_with_the_same_default(name):
-    ours = {f.name: f for f in dataclasses.fields(getattr(trl_unified_module(), f"{name}Config"))}
+    ours = {f.name: f for f in dataclasses.fields(getattr(trl_unified, f"{name}Config"))}
     for f in dataclasses.fields(getattr(trl, f"{name}Config")):
         assert f.name in ours, f.name
         if f.default is not dataclasses.MISSING:
@@ -27,16 +28,10 @@ def test_config_has_every_trl_field_with_the_same_default(name):
             assert ours[f.name].default_factory() == f.default_factory(), f.name
 
 
-def trl_unified_module():
-    import trl_unified
-
-    return trl_unified
-
-
 @pytest.mark.parametrize("name", ["DPO", "KTO"])
 def test_constructor_takes_trl_arguments_in_trl_order(name):
     theirs = list(inspect.signature(getattr(trl, f"{name}Trainer").__init__).parameters)
-    ours = list(inspect.signature(getattr(trl_unified_module(), f"{name}Trainer").__init__).parameters)
+    ours = list(inspect.signature(getattr(trl_unified, f"{name}Trainer").__init__).parameters)
     assert ours == theirs
 
 

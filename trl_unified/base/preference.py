@@ -21,6 +21,7 @@ from trl import extract_prompt, is_conversational, unpair_preference_dataset
 
 from .config import PolicyConfig
 from .data import column_names, pad
+from .generation import get_tokenizer
 from .logprobs import compute_token_logprobs
 from .trainer import PolicyTrainerBase
 
@@ -296,14 +297,12 @@ class PreferenceTrainer(PolicyTrainerBase):
         if isinstance(dataset, dict):
             return {k: self.prepare_dataset(v, processing_class, args, k) for k, v in dataset.items()}
         self.check_columns(dataset, name)
-        from .generation import get_tokenizer
-
         eos = get_tokenizer(processing_class).eos_token
         return prepare_preference_dataset(dataset, processing_class, args, name, self.paired, eos)
 
     def check_columns(self, dataset, name: str) -> None:
         """Raise, before training, when the rows lack the columns this trainer needs."""
-        if isinstance(dataset, (Dataset, IterableDataset)) is False:
+        if not isinstance(dataset, (Dataset, IterableDataset)):
             raise TypeError(
                 f"`{name}_dataset` must be a `Dataset` or `IterableDataset`, got `{type(dataset).__name__}`."
             )
@@ -323,8 +322,6 @@ class PreferenceTrainer(PolicyTrainerBase):
             )
 
     def make_data_collator(self, processing_class, args):
-        from .generation import get_tokenizer
-
         return PreferenceCollator(
             pad_token_id=get_tokenizer(processing_class).pad_token_id,
             paired=self.paired,
@@ -368,7 +365,7 @@ class PreferenceTrainer(PolicyTrainerBase):
 
     # ------------------------------------------------------------------ precomputed reference log-probs
     def _precompute(self, dataset, name: str, batch_size: int):
-        if dataset is None or "ref_" in " ".join(column_names(dataset) or []):
+        if dataset is None or any(name.startswith("ref_") for name in column_names(dataset) or []):
             return dataset
         if isinstance(dataset, IterableDataset):
             raise ValueError(
