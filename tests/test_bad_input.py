@@ -147,7 +147,7 @@ CASES = [
             c, Dataset.from_list([{"prompt": [{"role": "user", "content": "a"}], "image": build_image(0)}] * 4)
         ),
         ValueError,
-        r"image column .* not an image processor",
+        r"appears to be vision-related .* not seem to be a vision-language model",
     ),
     # --- config fields
     (
@@ -176,7 +176,7 @@ CASES = [
     ),
     ("negative_beta", lambda c: rloo_config(c, beta=-0.1), ValueError, r"beta=-0.1 must be >= 0"),
     ("zero_temperature", lambda c: rloo_config(c, temperature=0.0), ValueError, r"temperature=0.0.*> 0"),
-    ("top_p_out_of_range", lambda c: rloo_config(c, top_p=1.5), ValueError, r"top_p=1.5 must be in \(0, 1\]"),
+    ("top_p_out_of_range", lambda c: rloo_config(c, top_p=1.5), ValueError, r"top_p=1.5 must be in \[0, 1\]"),
     (
         "bad_answer_extractor",
         lambda c: rloo_config(c, answer_extractor="xml"),
@@ -209,18 +209,6 @@ CASES = [
         r"use_vllm=True is accepted for compatibility .* Leave it at its default \(False\)",
     ),
     (
-        "vllm_server_port",
-        lambda c: rloo_config(c, vllm_server_port=9000),
-        NotImplementedError,
-        r"vllm_server_port=9000",
-    ),
-    (
-        "continuous_batching",
-        lambda c: rloo_config(c, use_transformers_continuous_batching=True),
-        NotImplementedError,
-        r"use_transformers_continuous_batching",
-    ),
-    (
         "grm_packing",
         lambda c: GRMConfig(output_dir=str(c["tmp"]), bf16=False, packing=True),
         NotImplementedError,
@@ -239,7 +227,7 @@ CASES = [
         r"compute_loss_func",
     ),
     # --- rewards
-    ("no_reward_funcs", lambda c: rloo(c, funcs=[]), ValueError, r"reward_funcs is empty"),
+    ("no_reward_funcs", lambda c: rloo(c, funcs=[]), ValueError, r"No reward source provided. Pass `reward_funcs`"),
     ("reward_not_callable", lambda c: rloo(c, funcs=[3]), TypeError, r"reward_funcs\[0\] is a int"),
     (
         "reward_weights_length",
@@ -251,7 +239,7 @@ CASES = [
         "reward_processing_classes_length",
         lambda c: rloo(c, funcs=[varied_reward], reward_processing_classes=[c["tok"], c["tok"]]),
         ValueError,
-        r"reward_processing_classes has 2 entries but there are 1",
+        r"number of reward processing classes \(2\) must match the number of reward functions \(1",
     ),
     (
         "reward_model_other_tokenizer",
@@ -263,7 +251,7 @@ CASES = [
         "router_aux_on_dense_model",
         lambda c: rloo(c, config={"router_aux_loss_coef": 0.1}),
         ValueError,
-        r"router_aux_loss_coef=0.1 but the policy is not a Mixture-of-Experts",
+        r"`router_aux_loss_coef` is set to 0.1 but .* is not a Mixture-of-Experts",
     ),
     # --- models
     (
@@ -476,12 +464,6 @@ CASES = [
         r"KTOTrainer needs completion/label or chosen/rejected",
     ),
     (
-        "kto_label_ints",
-        lambda c: preference(c, "kto", {**UNPAIRED, "label": [1, 0]}),
-        ValueError,
-        r"label column has type int64, but KTO needs booleans",
-    ),
-    (
         "kto_label_strings",
         lambda c: preference(c, "kto", {**UNPAIRED, "label": ["good", "bad"]}),
         ValueError,
@@ -568,19 +550,13 @@ CASES = [
             config={"precompute_ref_log_probs": True, "max_steps": 2},
         ),
         ValueError,
-        r"needs a map-style Dataset",
+        r"`precompute_ref_log_probs=True` is not supported with IterableDataset",
     ),
     (
         "dpo_image_rows",
         lambda c: preference(c, "dpo", {**PAIRS, "images": [[build_image()], [build_image()]]}),
         (NotImplementedError, ValueError),  # text model: the base's image check; a VLM: not implemented for DPO
         r"image column",
-    ),
-    (
-        "dpo_compute_metrics",
-        lambda c: preference(c, "dpo", PAIRS, compute_metrics=len),
-        NotImplementedError,
-        r"compute_metrics is not supported",
     ),
     (
         "dpo_dataset_dict",
@@ -592,7 +568,7 @@ CASES = [
         "dpo_aux_loss_on_dense_model",
         lambda c: preference(c, "dpo", PAIRS, config={"router_aux_loss_coef": 0.01}),
         ValueError,
-        r"router_aux_loss_coef=0.01, but .* is not a Mixture-of-Experts",
+        r"`router_aux_loss_coef` is set to 0.01 but .* is not a Mixture-of-Experts",
     ),
     ("kto_unknown_loss", lambda c: kto_config(c, loss_type="bco"), ValueError, r"loss_type='bco' is not one of"),
     (

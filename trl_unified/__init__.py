@@ -8,11 +8,15 @@ from .base.data import RepeatSampler
 from .base.generation import GenerationOutput, build_generation_config, generate_batched, unwrap_for_generation
 from .base.judge import GRMReward
 from .base.logprobs import compute_token_logprobs, entropy_from_logits, selective_log_softmax
-from .base.online import OnlineConfig, OnlineTrainer, RolloutBatch
+from .base.online import OnlineTrainer
+from .base.online_config import OnlineConfig
 from .base.papers import PAPERS
-from .base.preference import PreferenceCollator, PreferenceConfig, PreferenceTrainer
+from .base.preference import PreferenceConfig, PreferenceTrainer
+from .base.preference_data import PairedBatch, PairedCollator, SequenceBatch, UnpairedBatch, UnpairedCollator
 from .base.reference import ReferenceModel
 from .base.rewards import RewardFunctions
+from .base.rollout import RolloutBatch
+from .base.sft_data import SFTBatch, SFTCollator
 from .base.trainer import PolicyTrainerBase
 from .trainers.dpo import DPOConfig, DPOTrainer
 from .trainers.grm import GRMConfig, GRMTrainer
@@ -37,7 +41,13 @@ __all__ = [
     "OnlineTrainer",
     "PAPERS",
     "PolicyConfig",
-    "PreferenceCollator",
+    "PairedBatch",
+    "PairedCollator",
+    "SFTBatch",
+    "SFTCollator",
+    "SequenceBatch",
+    "UnpairedBatch",
+    "UnpairedCollator",
     "PreferenceConfig",
     "PreferenceTrainer",
     "PolicyTrainerBase",

@@ -232,3 +232,54 @@ def build_image(seed: int = 0, size: int = 56):
     from PIL import Image
 
     return Image.fromarray((np.random.default_rng(seed).random((size, size, 3)) * 255).astype("uint8"))
+
+
+def trl_chat_template(name: str) -> str:
+    """A chat template shipped with trl (`trl/chat_templates/<name>.jinja`, e.g. "qwen2_5", TRL's tool-calling
+    ChatML template). TRL recognises its own templates (response parsers, training variants) by their exact text."""
+    from importlib.resources import files
+
+    return files("trl").joinpath("chat_templates", f"{name}.jinja").read_text()
+
+
+TOOL_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOOL_TEXT_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+
+def build_tool_tokenizer(corpus: list[str] | None = None, vocab_size: int = 600) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (any text round-trips, JSON tool calls included) with Qwen2.5's chat tokens and TRL's
+    `qwen2_5` chat template, which renders tools and tool calls: a tiny stand-in for a tool-calling instruct model.
+
+    EOS is `<|im_end|>` (the end of an assistant turn) and the pad token `<|endoftext|>`, as in Qwen2.5.
+    """
+    from tokenizers import AddedToken
+
+    template = trl_chat_template("qwen2_5")
+    texts = (
+        list(corpus or [])
+        + template.splitlines()
+        + [
+            '<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>',
+            "What is 3 times 4? The answer is 12. Done!",
+            "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 {}[]():,.!?\"'-_+=*/<>\n",
+        ]
+    )
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator(
+        texts * 2,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=TOOL_SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TEXT_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.chat_template = template
+    return tokenizer

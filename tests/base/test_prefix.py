@@ -49,7 +49,7 @@ def test_shared_prefix_logprobs_and_gradients_equal_the_plain_forward(arch, grou
     results = {}
     for share in (False, True):
         model.zero_grad()
-        out = compute_token_logprobs(model, ids, mask, k, compute_entropy=True, share_prompt=share)
+        out = compute_token_logprobs(model, ids, mask, k, compute_entropy=True, shared_prefix=share)
         ((out.logps * mask[:, -k:]).sum() * 0.1).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results[share] = (out.logps.detach(), out.entropy, grads)
@@ -68,7 +68,7 @@ def test_shared_prefix_in_chunks_equals_plain(tokenizer):
     ids, mask, k = _batch(tokenizer)
     with torch.no_grad():
         plain = compute_token_logprobs(model, ids, mask, k, batch_size=5).logps
-        shared = compute_token_logprobs(model, ids, mask, k, batch_size=5, share_prompt=True).logps
+        shared = compute_token_logprobs(model, ids, mask, k, batch_size=5, shared_prefix=True).logps
     valid = mask[:, -k:].bool()
     torch.testing.assert_close(shared[valid], plain[valid], rtol=1e-5, atol=1e-5)
 
@@ -79,7 +79,7 @@ def test_shared_prefix_generation_equals_plain_greedy(tokenizer, batch_size):
     prompts = [p for p in ["a b c d e", "f g", "h i j", "f g"] for _ in range(3)]
     config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     plain = generate_batched(model, tokenizer, prompts, config, batch_size=batch_size)
-    shared = generate_batched(model, tokenizer, prompts, config, batch_size=batch_size, share_prefix=True)
+    shared = generate_batched(model, tokenizer, prompts, config, batch_size=batch_size, shared_prefix=True)
     assert shared.texts == plain.texts
     torch.testing.assert_close(shared.completion_ids, plain.completion_ids)
 
@@ -93,7 +93,7 @@ def test_sampled_generation_with_shared_prefix_draws_the_plain_samples(tokenizer
         torch.manual_seed(seed)
         plain = generate_batched(model, tokenizer, prompts, config).texts
         torch.manual_seed(seed)
-        shared = generate_batched(model, tokenizer, prompts, config, share_prefix=True).texts
+        shared = generate_batched(model, tokenizer, prompts, config, shared_prefix=True).texts
         assert shared == plain
         assert len(set(shared[:8])) > 1  # each row samples its own continuation from the shared cache
 
@@ -117,12 +117,22 @@ def _train(path, tmp_path, trainer_class, config_class, peft=False, **config):
 
     from tests.helpers import prompt_dataset, varied_reward
 
+    # SGD: the parameters after 2 steps then differ by the gradients' rounding only. Adam divides each gradient by its
+    # own magnitude, so an element whose gradient is ~0 moves by ±lr on rounding noise alone (seen: 3e-5 apart on an
+    # AVX-512-BF16 CPU), which would make this comparison CPU-dependent.
+    defaults = dict(gradient_checkpointing=False, max_steps=2, per_device_train_batch_size=8, num_generations=4)
     args = config_class(
-        output_dir=str(tmp_path / str(config.get("shared_prefix"))), max_completion_length=6, learning_rate=1e-2,
-        logging_steps=1, bf16=False, report_to=[], save_strategy="no", seed=0,
-        **{"gradient_checkpointing": False, "max_steps": 2, "per_device_train_batch_size": 8, "num_generations": 4,
-           **config},
-    )  # fmt: skip
+        output_dir=str(tmp_path / str(config.get("shared_prefix"))),
+        max_completion_length=6,
+        learning_rate=1e-2,
+        optim="sgd",
+        logging_steps=1,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        **{**defaults, **config},
+    )
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if peft else None
     trainer = trainer_class(path, varied_reward, args=args, train_dataset=prompt_dataset(), peft_config=peft_config)
     trainer.train()
@@ -131,10 +141,15 @@ def _train(path, tmp_path, trainer_class, config_class, peft=False, **config):
 
 @pytest.mark.parametrize(
     "name, config",
-    [("RLOO", {"beta": 0.1}), ("GRPO", {"beta": 0.1}), ("GRPO", {"num_iterations": 2}),
-     ("RLOO", {"beta": 0.1, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 4}),
-     ("GRPO", {"beta": 0.1, "peft": True}), ("GRPO", {"num_generations": 8, "per_device_train_batch_size": 16})],
-)  # fmt: skip
+    [
+        ("RLOO", {"beta": 0.1}),
+        ("GRPO", {"beta": 0.1}),
+        ("GRPO", {"num_iterations": 2}),
+        ("RLOO", {"beta": 0.1, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 4}),
+        ("GRPO", {"beta": 0.1, "peft": True}),
+        ("GRPO", {"num_generations": 8, "per_device_train_batch_size": 16}),
+    ],
+)
 def test_trainers_share_prompts_by_default_with_the_plain_numbers(name, config, llama_path, tmp_path, monkeypatch):
     import trl_unified
     import trl_unified.base.generation as generation
@@ -172,5 +187,5 @@ def test_fallbacks_are_logged_and_forced_sharing_is_checked(llama_path, tmp_path
     assert "log-prob forward runs without prompt sharing because gradient checkpointing" in caplog.text
     with pytest.raises(ValueError, match="shared_prefix=True, but gradient checkpointing"):
         _train(llama_path, tmp_path, GRPOTrainer, GRPOConfig, gradient_checkpointing=True, shared_prefix=True)
-    with pytest.raises(ValueError, match="shared_prefix='maybe' must be 'auto', True or False"):
+    with pytest.raises(ValueError, match=r"shared_prefix='maybe' must be None \(auto\), True or False"):
         GRPOConfig(output_dir=str(tmp_path), shared_prefix="maybe", bf16=False)

@@ -284,7 +284,7 @@ def test_vision_language_grm_trains_and_evaluates(tmp_path):
     )
     batch = trainer.data_collator([trainer.train_dataset[0]])
     assert (
-        "pixel_values" in batch
+        "pixel_values" in batch.visual_inputs
         and processor.decode(batch["labels"][0][batch["labels"][0] != -100]) == "<answer> A </answer> <|im_end|>"
     )
     before = {n: p.clone() for n, p in trainer.model.named_parameters()}

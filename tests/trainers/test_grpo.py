@@ -45,24 +45,32 @@ def test_constructor_takes_trl_arguments_in_trl_order():
     assert ours[: len(theirs)] == theirs, (ours, theirs)
 
 
-@pytest.mark.parametrize(
-    "field, value",
-    [("vllm_importance_sampling_correction", False), ("vllm_importance_sampling_mode", "token_mask"),
-     ("cast_lm_head_to_fp32", True), ("max_tool_calling_iterations", 3), ("log_completions_hub_repo", "me/logs"),
-     ("use_vllm", True)],
-)  # fmt: skip
+@pytest.mark.parametrize("field, value", [("log_completions_hub_repo", "me/logs"), ("use_vllm", True)])
 def test_unimplemented_fields_raise_when_set(field, value, tmp_path):
     with pytest.raises(NotImplementedError, match=f"{field}={value!r} is accepted for compatibility"):
         grpo_args(tmp_path, **{field: value})
-    assert grpo_args(tmp_path).vllm_importance_sampling_correction is True  # the default passes silently
 
 
-@pytest.mark.parametrize("name", ["tools", "rollout_func", "environment_factory"])
-def test_agent_arguments_raise_clearly(name, llama_path, tmp_path):
-    with pytest.raises(NotImplementedError, match=f"{name} is not supported"):
-        GRPOTrainer(
-            llama_path, varied_reward, args=grpo_args(tmp_path), train_dataset=prompt_dataset(), **{name: [len]}
-        )
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("vllm_importance_sampling_correction", False),
+        ("vllm_importance_sampling_mode", "token_mask"),
+        ("vllm_mode", "server"),
+        ("vllm_gpu_memory_utilization", 0.9),
+    ],
+)
+def test_vllm_only_fields_without_vllm_are_ignored_with_a_warning(field, value, tmp_path, caplog):
+    """As TRL: the vLLM fields only matter with use_vllm=True; set without it they change nothing (TRL's scripts
+    pass them by default), so they are accepted and named in one warning."""
+    with caplog.at_level("WARNING", logger="trl_unified.base.online_config"):
+        args = grpo_args(tmp_path, **{field: value})
+    assert getattr(args, field) == value
+    assert f"{field} only apply to vLLM generation (use_vllm=True), which is off: ignored" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trl_unified.base.online_config"):
+        grpo_args(tmp_path)
+    assert "vLLM" not in caplog.text  # the defaults pass silently
 
 
 def test_bad_values_name_the_field(tmp_path):

@@ -12,8 +12,8 @@ import trl
 from datasets import Dataset
 
 import trl_unified
-from trl_unified import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, PreferenceCollator
-from trl_unified.base.preference import pack
+from trl_unified import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, PairedCollator, UnpairedCollator
+from trl_unified.base.preference_data import pack
 from trl_unified.testing import build_causal_lm
 
 
@@ -37,9 +37,12 @@ def test_constructor_takes_trl_arguments_in_trl_order(name):
 
 @pytest.mark.parametrize(
     "config, field, value",
-    [(DPOConfig, "padding_free", True), (DPOConfig, "activation_offloading", True), (KTOConfig, "use_liger_kernel",
-     True), (KTOConfig, "activation_offloading", True)],
-)  # fmt: skip
+    [
+        (DPOConfig, "activation_offloading", True),
+        (KTOConfig, "use_liger_kernel", True),
+        (KTOConfig, "activation_offloading", True),
+    ],
+)
 def test_unimplemented_fields_raise_when_set(config, field, value, tmp_path):
     with pytest.raises(NotImplementedError, match=f"{field}={value!r} is accepted for compatibility"):
         config(output_dir=str(tmp_path), **{field: value})
@@ -52,20 +55,25 @@ def test_collator_stacks_chosen_then_rejected_and_truncates():
         {"prompt_ids": [7, 8], "chosen_ids": [9], "rejected_ids": [10, 11], "ref_chosen_logps": -3.0,
          "ref_rejected_logps": -4.0},
     ]  # fmt: skip
-    batch = PreferenceCollator(pad_token_id=0, max_length=4)(rows)
-    assert batch["input_ids"].tolist() == [[1, 2, 3, 4], [7, 8, 9, 0], [1, 2, 3, 6], [7, 8, 10, 11]]
-    assert batch["completion_mask"].tolist() == [[0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 0, 1], [0, 0, 1, 1]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
-    assert batch["ref_chosen_logps"].tolist() == [-1.0, -3.0]
-    unpaired = PreferenceCollator(pad_token_id=0, paired=False)(
-        [{"prompt_ids": [1], "completion_ids": [2, 3], "KL_completion_ids": [4], "label": True},
-         {"prompt_ids": [5, 6], "completion_ids": [7], "KL_completion_ids": [2, 3], "label": False}]
-    )  # fmt: skip
-    assert unpaired["label"].tolist() == [True, False]
-    assert unpaired["KL_input_ids"].tolist() == [[1, 4, 0, 0], [5, 6, 2, 3]]
-    assert unpaired["KL_completion_mask"].tolist() == [[0, 1, 0, 0], [0, 0, 1, 1]]
+    batch = PairedCollator(pad_token_id=0, max_length=4)(rows)
+    assert batch.sequences.input_ids.tolist() == [[1, 2, 3, 4], [7, 8, 9, 0], [1, 2, 3, 6], [7, 8, 10, 11]]
+    assert batch.sequences.completion_mask.tolist() == [[0, 0, 0, 1], [0, 0, 1, 0], [0, 0, 0, 1], [0, 0, 1, 1]]
+    assert batch.sequences.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
+    assert batch.ref_chosen_logps.tolist() == [-1.0, -3.0] and batch.ref_rejected_logps.tolist() == [-2.0, -4.0]
+    second = batch.select(torch.tensor([1]))  # a pair's chosen and rejected rows stay together
+    assert second.sequences.input_ids.tolist() == [[7, 8, 9, 0], [7, 8, 10, 11]]
+    assert second.ref_chosen_logps.tolist() == [-3.0]
+    unpaired = UnpairedCollator(pad_token_id=0)(
+        [
+            {"prompt_ids": [1], "completion_ids": [2, 3], "KL_completion_ids": [4], "label": True},
+            {"prompt_ids": [5, 6], "completion_ids": [7], "KL_completion_ids": [2, 3], "label": False},
+        ]
+    )
+    assert unpaired.label.tolist() == [True, False] and unpaired.ref_logps is None
+    assert unpaired.kl_sequences.input_ids.tolist() == [[1, 4, 0, 0], [5, 6, 2, 3]]
+    assert unpaired.kl_sequences.completion_mask.tolist() == [[0, 1, 0, 0], [0, 0, 1, 1]]
     keep_end = pack([[1, 2, 3]], [[4, 5]], pad_token_id=0, max_length=3, truncation_mode="keep_end")
-    assert keep_end["input_ids"].tolist() == [[3, 4, 5]] and keep_end["completion_mask"].tolist() == [[0, 1, 1]]
+    assert keep_end.input_ids.tolist() == [[3, 4, 5]] and keep_end.completion_mask.tolist() == [[0, 1, 1]]
 
 
 def dpo_args(tmp_path, **overrides):
@@ -167,11 +175,11 @@ def test_policy_learns_held_out_preferences(trainer_name, tokenizer, tmp_path):
     held_out = Dataset.from_dict(pairs(64, 123))
 
     def accuracy(m):
-        collate = PreferenceCollator(pad_token_id=tokenizer.pad_token_id)
+        collate = PairedCollator(pad_token_id=tokenizer.pad_token_id)
         probe = DPOTrainer(m, args=dpo_args(tmp_path / "probe"), train_dataset=held_out, processing_class=tokenizer)
         batch = collate([probe.train_dataset[i] for i in range(len(held_out))])
         with torch.no_grad():
-            logps = probe.completion_logps(m.eval(), batch).sum(1)
+            logps = probe.completion_logps(m.eval(), batch.sequences).sum(1)
         chosen, rejected = logps.chunk(2)
         return (chosen > rejected).float().mean().item()
 

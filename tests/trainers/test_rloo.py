@@ -76,9 +76,10 @@ def test_config_fields_are_documented_once():
 
 
 # use_vllm, use_transformers_continuous_batching and the bad config values are cases of tests/test_bad_input.py.
-def test_unimplemented_vllm_mode_raises(tmp_path):
-    with pytest.raises(NotImplementedError, match="vllm_mode"):
-        RLOOConfig(output_dir=str(tmp_path), vllm_mode="server")
+def test_use_vllm_raises_and_vllm_only_fields_are_ignored(tmp_path):
+    with pytest.raises(NotImplementedError, match="use_vllm=True is accepted for compatibility"):
+        RLOOConfig(output_dir=str(tmp_path), use_vllm=True)
+    assert RLOOConfig(output_dir=str(tmp_path), vllm_mode="server").vllm_mode == "server"  # warned, no effect
 
 
 # ------------------------------------------------------------------ training

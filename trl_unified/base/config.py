@@ -106,6 +106,25 @@ class PolicyConfig(TrainingArguments):
         default=False,
         metadata={"help": "Set every dropout probability of the policy and reference models to 0."},
     )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={
+            "help": "Weight of the MoE load-balancing loss; None uses the model config's value, 0.0 disables it."
+        },
+    )
+    pad_to_multiple_of: int | str | None = field(
+        default="auto",
+        metadata={"help": "Pad batches to a multiple of this length. 'auto': 128 on Neuron devices, else no padding."},
+    )
+
+    # Reference model (trainers that use one)
+    sync_ref_model: bool = field(
+        default=False, metadata={"help": "Every ref_model_sync_steps, set π_ref = α π_θ + (1 - α) π_ref (TR-DPO)."}
+    )
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "α of the reference-model sync (TR-DPO)."})
+    ref_model_sync_steps: int = field(
+        default=512, metadata={"help": "τ, steps between reference-model syncs (TR-DPO)."}
+    )
 
     # Generation (training and generative evaluation)
     max_completion_length: int | None = field(
@@ -188,6 +207,41 @@ class PolicyConfig(TrainingArguments):
         super().__post_init__()
         self._check_unimplemented_fields()
         self._check_generation_fields()
+        self.pad_to_multiple_of = self._parse_pad_to_multiple_of(self.pad_to_multiple_of)
+        self._check_reference_fields()
+
+    def uses_reference_model(self) -> bool:
+        """Whether this configuration trains against a frozen reference policy (the trainer builds one iff True)."""
+        return False
+
+    def _no_reference_reason(self) -> str:
+        """Why `uses_reference_model()` is False, for error messages (a subclass names its field)."""
+        return "the algorithm has no reference model"
+
+    def _parse_pad_to_multiple_of(self, value):
+        """'auto' → 128 on Neuron (it compiles once per shape), else None; strings from the command line → int."""
+        if not isinstance(value, str):
+            return value
+        lowered = value.lower()
+        if lowered == "auto":
+            return 128 if self.device.type == "neuron" else None
+        if lowered in ("none", "null"):
+            return None
+        try:
+            return int(lowered)
+        except ValueError as e:
+            raise ValueError(f"pad_to_multiple_of={value!r} must be an integer, 'auto' or None.") from e
+
+    def _check_reference_fields(self):
+        if self.sync_ref_model and not self.uses_reference_model():
+            raise ValueError(
+                f"You passed `sync_ref_model=True` while {self._no_reference_reason()}: this configuration uses no "
+                "reference model, so there is nothing to sync. Set beta > 0 or sync_ref_model=False."
+            )
+        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
+            raise ValueError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1].")
+        if self.ref_model_sync_steps < 1:
+            raise ValueError(f"ref_model_sync_steps={self.ref_model_sync_steps} must be >= 1.")
 
     def __getstate__(self):
         # The Trainer pickles its args into training_args.bin, which push_to_hub uploads: never write the token.
@@ -210,8 +264,8 @@ class PolicyConfig(TrainingArguments):
             raise ValueError(
                 f"temperature={self.temperature}, but it must be > 0. Use eval_do_sample=False for greedy."
             )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]. Use 1.0 to disable nucleus sampling.")
+        if not 0 <= self.top_p <= 1:  # as transformers' TopPLogitsWarper: 0 keeps only the most likely token
+            raise ValueError(f"top_p={self.top_p} must be in [0, 1]. Use 1.0 to disable nucleus sampling.")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k).")
         if self.max_completion_length is not None and self.max_completion_length < 1:

@@ -1,11 +1,17 @@
-"""Dataset formats, padding and the grouped sampler shared by the online trainers."""
+"""Dataset formats and checks, padding, and the grouped samplers (map-style and streaming) of the online trainers."""
 
+import logging
 from collections.abc import Iterator, Sequence, Sized
 from typing import Any
 
 import torch
-from datasets import Dataset, IterableDataset
+from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 from torch.utils.data import Sampler
+
+from .models import get_tokenizer
+
+
+logger = logging.getLogger(__name__)
 
 
 IMAGE_COLUMNS = ("image", "images")
@@ -149,7 +155,7 @@ def tokenize_prompt_completion(
     template problem when the prompt's tokens are not a prefix of the whole conversation's. Standard rows are
     tokenised separately and the EOS token is appended to the completion (as `trl.SFTTrainer` does).
     """
-    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    tokenizer = get_tokenizer(processing_class)
     kwargs = chat_template_kwargs or {}
     if is_conversational_prompt(completion) or is_conversational_prompt(prompt):
         prompt_ids = (
@@ -180,3 +186,91 @@ def tokenize_prompt_completion(
     if eos_id is not None and (not completion_ids or completion_ids[-1] != eos_id):
         completion_ids.append(eos_id)
     return prompt_ids, completion_ids
+
+
+class RepeatedIterable(torch.utils.data.IterableDataset):
+    """Streaming counterpart of `RepeatSampler`: chunks of `prompts_per_batch` rows, each row repeated
+    `mini_repeat_count` times in a row, each chunk repeated `repeat_count` times."""
+
+    def __init__(self, dataset: IterableDataset, mini_repeat_count: int, prompts_per_batch: int, repeat_count: int):
+        self.dataset, self.mini_repeat_count = dataset, mini_repeat_count
+        self.prompts_per_batch, self.repeat_count = prompts_per_batch, repeat_count
+
+    def __iter__(self):
+        chunk = []
+        for row in self.dataset:
+            chunk.append(row)
+            if len(chunk) == self.prompts_per_batch:
+                for _ in range(self.repeat_count):
+                    for item in chunk:
+                        yield from [item] * self.mini_repeat_count
+                chunk = []
+
+
+def configure_iterable_loading(args, train_dataset, eval_dataset) -> None:
+    """Iterable datasets are read as rows: each process reads its own shard of the stream (no dispatch from process
+    0, which would need tensor batches to concatenate; typed batches are not). Must run before
+    `transformers.Trainer.__init__` builds the accelerator from `args.accelerator_config`."""
+    if not has_iterable(train_dataset, eval_dataset):
+        return
+    if args.accelerator_config.dispatch_batches:
+        raise ValueError(
+            "Iterable datasets require `dispatch_batches=False`, but it is set to `True` in `accelerator_config`. "
+            "Please set it to `False`: rows are python dicts and each process reads its own shard."
+        )
+    args.accelerator_config.dispatch_batches = False
+
+
+def has_iterable(*datasets) -> bool:
+    """Whether any of `datasets` (or of the values of a dict of eval sets) is an `IterableDataset`."""
+    flat = [d for x in datasets for d in (x.values() if isinstance(x, dict) else [x])]
+    return any(isinstance(d, IterableDataset) for d in flat)
+
+
+def check_dataset_types(train_dataset, eval_dataset) -> None:
+    """`train_dataset`: one `Dataset` / `IterableDataset` (a `DatasetDict` holds splits, not rows); `eval_dataset`:
+    one, or a dict of them (several eval sets, each logged under its key)."""
+    if isinstance(train_dataset, (DatasetDict, IterableDatasetDict)):
+        splits = list(train_dataset)
+        raise ValueError(
+            f"train_dataset is a {type(train_dataset).__name__} with splits {splits}; the trainer needs one split. "
+            f"Pass e.g. dataset[{(splits or ['train'])[0]!r}] (and another split as eval_dataset)."
+        )
+    evals = eval_dataset.items() if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]
+    for name, dataset in [("train", train_dataset), *evals]:
+        if dataset is not None and not isinstance(dataset, (Dataset, IterableDataset)):
+            raise TypeError(
+                f"`{name}_dataset` must be a `Dataset` or `IterableDataset`, got `{type(dataset).__name__}`. Build "
+                "one with datasets.Dataset.from_dict / Dataset.from_list, or load_dataset(...)."
+            )
+
+
+def first_row(dataset) -> dict[str, Any]:
+    """The first row of a dataset (an `IterableDataset` is read once), or {} when it is empty."""
+    return next(iter(dataset), {}) if dataset is not None else {}
+
+
+def dataset_columns(dataset) -> list[str]:
+    """Column names, read from the first row when an iterable dataset does not declare them."""
+    names = column_names(dataset)
+    return names if names is not None else list(first_row(dataset))
+
+
+def check_images_fit(dataset, processing_class, model) -> None:
+    """Rows with images need a vision-language model and a processor with an image processor (TRL's wording first)."""
+    names = dataset_columns(dataset) if dataset is not None else []
+    if not any(c in names for c in IMAGE_COLUMNS):
+        return
+    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    if getattr(config, "vision_config", None) is None:
+        raise ValueError(
+            "The dataset appears to be vision-related (contains 'image' or 'images' keys), but the provided model "
+            "does not seem to be a vision-language model. Please check your model and dataset. "
+            f"({type(model).__name__} has no vision_config: use a vision-language model, or drop the image column.)"
+        )
+    if not hasattr(processing_class, "image_processor"):
+        raise ValueError(
+            f"The dataset has an image column ({[c for c in names if c in IMAGE_COLUMNS]}) but the processing "
+            f"class is a {type(processing_class).__name__}, not an image processor. Pass the vision-language model's "
+            "AutoProcessor, or remove the image column."
+        )

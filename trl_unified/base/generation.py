@@ -10,6 +10,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase, ProcessorMixin
 
 from .data import is_conversational_prompt, pad
+from .models import get_tokenizer
 from .prefix import cache_kwarg, encode_prefix, group_prompts
 
 
@@ -28,6 +29,8 @@ class GenerationOutput:
             `image_grid_thw`) for a later forward pass over prompt + completion; None without images.
         prompt_token_inputs (`dict[str, torch.Tensor]`): other per-token processor outputs (e.g.
             `mm_token_type_ids`), `(N, P)`, left-padded with 0 like `prompt_ids`.
+        tool_mask (`torch.LongTensor`, *optional*): `(N, C)`, 1 on tokens the model sampled, 0 on tool-result tokens
+            inserted between the turns of a multi-turn (agent) completion; None when every token is the model's.
     """
 
     prompt_ids: torch.Tensor
@@ -38,16 +41,49 @@ class GenerationOutput:
     is_truncated: torch.Tensor
     image_inputs: list[dict[str, torch.Tensor]] | None = None
     prompt_token_inputs: dict[str, torch.Tensor] | None = None
+    tool_mask: torch.Tensor | None = None
 
     @property
     def completion_ids_list(self) -> list[list[int]]:
         """Completion tokens per row, padding removed (EOS kept)."""
         return [ids[mask.bool()].tolist() for ids, mask in zip(self.completion_ids, self.completion_mask, strict=True)]
 
+    @property
+    def model_token_mask(self) -> torch.Tensor:
+        """`(N, C)`: 1 on completion tokens the model sampled (tool-result tokens and padding are 0)."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
 
-def get_tokenizer(processing_class: PreTrainedTokenizerBase | ProcessorMixin) -> PreTrainedTokenizerBase:
-    """The tokenizer of a processor, or the tokenizer itself."""
-    return getattr(processing_class, "tokenizer", processing_class)
+    @classmethod
+    def from_token_lists(
+        cls,
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        processing_class,
+        eos_token_ids: Sequence[int],
+        tool_mask: list[list[int]] | None = None,
+        pad_to_multiple_of: int | None = None,
+        device=None,
+    ) -> "GenerationOutput":
+        """The output of a rollout given as token-id lists (a custom `rollout_func`, or a multi-turn tool loop):
+        prompts left-padded, completions right-padded and kept whole (a completion ends where its list ends); a
+        completion is truncated when its last token is neither an EOS nor the pad token (TRL's rule)."""
+        tokenizer = get_tokenizer(processing_class)
+        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+        prompts = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]
+        completions = [torch.tensor(ids, dtype=torch.long) for ids in completion_ids]
+        ends = {*eos_token_ids, pad_token_id}
+        masks = None
+        if tool_mask is not None:
+            masks = pad([torch.tensor(m, dtype=torch.long) for m in tool_mask], 1, "right").to(device)
+        return cls(
+            prompt_ids=pad(prompts, pad_token_id, "left", pad_to_multiple_of).to(device),
+            prompt_mask=pad([torch.ones_like(t) for t in prompts], 0, "left", pad_to_multiple_of).to(device),
+            completion_ids=pad(completions, pad_token_id, "right").to(device),
+            completion_mask=pad([torch.ones_like(t) for t in completions], 0, "right").to(device),
+            texts=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+            is_truncated=torch.tensor([bool(ids) and ids[-1] not in ends for ids in completion_ids], device=device),
+            tool_mask=masks,
+        )
 
 
 def get_eos_token_ids(model, processing_class) -> list[int]:
@@ -152,13 +188,15 @@ def unwrap_for_generation(
         unwrapped.train(was_training)
 
 
-def normalize_prompts(prompts) -> list:
+def normalize_prompts(prompts, pad_token_id: int | None = None) -> list:
     """The prompt forms `generate_batched` accepts, as a list of texts, token-id lists or conversations.
 
     Accepted: a list (or tuple) of strings, of token-id lists, or of conversations (lists of message dicts); a 2-D
-    `(batch, length)` tensor of token ids (every position is a prompt token); a `BatchEncoding` or dict with
-    `input_ids` and optionally `attention_mask` (positions with mask 0 are padding, on either side, and are dropped).
-    A bare string, a 1-D tensor, or a list mixing forms raises a `TypeError` saying what to pass instead.
+    `(batch, length)` tensor of token ids (every position is a prompt token: a row that starts or ends with
+    `pad_token_id` raises, since its padding would be read as prompt); a `BatchEncoding` or dict with `input_ids` (a
+    tensor or lists, ragged allowed) and optionally `attention_mask` (positions with mask 0 are padding, on either
+    side, and are dropped). A bare string, a 1-D tensor, or a list mixing forms raises a `TypeError` saying what to
+    pass instead.
     """
     if isinstance(prompts, str):
         raise TypeError(
@@ -166,25 +204,22 @@ def normalize_prompts(prompts) -> list:
             "Pass [prompt] to generate for one prompt."
         )
     if isinstance(prompts, Mapping):
-        if "input_ids" not in prompts:
-            raise TypeError(
-                f"prompts is a mapping with keys {sorted(prompts)}, but a tokenised batch needs 'input_ids' "
-                "(and optionally 'attention_mask')."
-            )
-        ids = torch.as_tensor(prompts["input_ids"])
-        mask = prompts.get("attention_mask")
-        if ids.dim() != 2:
-            raise TypeError(f"prompts['input_ids'] has shape {tuple(ids.shape)}; expected (batch, length).")
-        if mask is None:
-            return [row.tolist() for row in ids]
-        mask = torch.as_tensor(mask).bool()
-        return [row[m].tolist() for row, m in zip(ids, mask, strict=True)]
+        return _normalize_encoding(prompts)
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() != 2 or prompts.is_floating_point():
             raise TypeError(
                 f"prompts is a {prompts.dim()}-D {prompts.dtype} tensor; pass token ids as a 2-D (batch, length) "
                 "integer tensor, or a BatchEncoding with an attention_mask when rows are padded."
             )
+        if pad_token_id is not None and prompts.numel():
+            padded = (prompts[:, 0] == pad_token_id) | (prompts[:, -1] == pad_token_id)
+            if padded.any():
+                row = int(padded.nonzero()[0, 0])
+                raise ValueError(
+                    f"prompts is a padded tensor: row {row} starts or ends with the pad token id {pad_token_id}, "
+                    "which would be read as a prompt token. Pass the tokenizer's BatchEncoding (input_ids and "
+                    "attention_mask) or a list of unpadded token-id lists."
+                )
         return [row.tolist() for row in prompts]
     if not isinstance(prompts, (list, tuple)) and hasattr(prompts, "__getitem__") and hasattr(prompts, "__len__"):
         prompts = list(prompts)  # sequence-like, e.g. a datasets Column
@@ -201,6 +236,25 @@ def normalize_prompts(prompts) -> list:
                 "form: a non-empty string, list of token ids, or conversation (list of {'role', 'content'} dicts)."
             )
     return [p.tolist() if isinstance(p, torch.Tensor) else p for p in prompts]
+
+
+def _normalize_encoding(prompts: Mapping) -> list[list[int]]:
+    """A tokenised batch (`input_ids`, optional `attention_mask`; tensors or lists, ragged allowed) → id lists."""
+    if "input_ids" not in prompts:
+        raise TypeError(
+            f"prompts is a mapping with keys {sorted(prompts)}, but a tokenised batch needs 'input_ids' "
+            "(and optionally 'attention_mask')."
+        )
+    ids, mask = prompts["input_ids"], prompts.get("attention_mask")
+    rows = [torch.as_tensor(r).view(-1) for r in ids] if not isinstance(ids, torch.Tensor) else list(ids)
+    if isinstance(ids, torch.Tensor) and ids.dim() != 2:
+        raise TypeError(f"prompts['input_ids'] has shape {tuple(ids.shape)}; expected (batch, length).")
+    if mask is None:
+        return [r.tolist() for r in rows]
+    masks = [torch.as_tensor(m).view(-1).bool() for m in mask]
+    if len(masks) != len(rows) or any(m.numel() != r.numel() for r, m in zip(rows, masks)):
+        raise ValueError("prompts['attention_mask'] must have one mask of the same length per row of input_ids.")
+    return [r[m].tolist() for r, m in zip(rows, masks, strict=True)]
 
 
 def _prompt_kind(prompt) -> str | None:
@@ -292,15 +346,18 @@ def _check_fits_positions(model, encoded, generation_config) -> None:
         )
 
 
-def _generate_chunk(model, chunk: dict[str, Any], generation_config, share_prefix: bool) -> torch.Tensor:
-    """`model.generate` on one chunk; with `share_prefix`, each distinct prompt is prefilled once (see base/prefix.py).
+def _generate_chunk(model, chunk: dict[str, Any], generation_config, shared_prefix: bool) -> torch.Tensor:
+    """`model.generate` on one chunk; with `shared_prefix`, each distinct prompt is prefilled once (base/prefix.py).
 
     The prefill covers every prompt position but the last, with the positions `generate` itself derives from the
     attention mask, so `generate` continues from the cache exactly as it would have from its own prefill."""
     groups = None
     cache_implementation = getattr(generation_config, "cache_implementation", None)
-    if share_prefix and set(chunk) == {"input_ids", "attention_mask"} and cache_implementation is None:
-        groups = group_prompts(chunk["input_ids"], chunk["attention_mask"])
+    expands_rows = (getattr(generation_config, "num_beams", 1) or 1) > 1 or (
+        getattr(generation_config, "num_return_sequences", 1) or 1
+    ) > 1
+    if shared_prefix and set(chunk) == {"input_ids", "attention_mask"} and cache_implementation is None:
+        groups = None if expands_rows else group_prompts(chunk["input_ids"], chunk["attention_mask"])
     if groups is None:
         return model.generate(**chunk, generation_config=generation_config)
     ids, mask = chunk["input_ids"], chunk["attention_mask"]
@@ -338,7 +395,8 @@ def generate_batched(
     pad_to_multiple_of: int | None = None,
     chat_template_kwargs: dict | None = None,
     eos_token_ids: Sequence[int] | None = None,
-    share_prefix: bool = False,
+    shared_prefix: bool = False,
+    continuous_batching=None,
 ) -> GenerationOutput:
     """Generate completions for many prompts in batches of `batch_size`, with left padding.
 
@@ -372,10 +430,13 @@ def generate_batched(
             Extra arguments for `apply_chat_template`.
         eos_token_ids (`list[int]`, *optional*):
             Tokens that end a completion. Defaults to `get_eos_token_ids(model, processing_class)`.
-        share_prefix (`bool`, *optional*, defaults to `False`):
+        shared_prefix (`bool`, *optional*, defaults to `False`):
             Prefill each distinct prompt of a chunk once and expand its KV cache to the rows that repeat it (e.g. the
             G completions of a group), then decode every row; greedy results equal the plain path. Chunks with image
-            inputs, encoder-decoder models and a non-dynamic `cache_implementation` take the plain path.
+            inputs, encoder-decoder models, beam search and a non-dynamic `cache_implementation` take the plain path.
+        continuous_batching (`transformers.ContinuousBatchingConfig`, *optional*):
+            Generate with transformers' continuous batching (`model.generate_batch`, paged attention) instead of
+            padded `generate` calls (text-only decoder models; `batch_size` is then ignored).
 
     Returns:
         `GenerationOutput`, rows in the order of `prompts`.
@@ -386,8 +447,8 @@ def generate_batched(
     >>> out.texts, out.completion_mask.sum(1)
     ```
     """
-    prompts = normalize_prompts(prompts)
     tokenizer = get_tokenizer(processing_class)
+    prompts = normalize_prompts(prompts, tokenizer.pad_token_id)
     unwrapped_for_config = accelerator.unwrap_model(model) if accelerator is not None else model
     eos_token_ids = (
         list(eos_token_ids) if eos_token_ids is not None else get_eos_token_ids(unwrapped_for_config, tokenizer)
@@ -410,9 +471,24 @@ def generate_batched(
         if is_encoder_decoder and generation_config is not None and generation_config.decoder_start_token_id is None:
             generation_config = copy.deepcopy(generation_config)
             generation_config.decoder_start_token_id = unwrapped.config.decoder_start_token_id
-        for start in range(0, len(encoded), batch_size):
+        if continuous_batching is not None:
+            if images is not None or is_encoder_decoder:
+                raise ValueError(
+                    "continuous batching (use_transformers_continuous_batching) supports text-only decoder models; "
+                    "turn it off for vision-language or encoder-decoder models."
+                )
+            outputs = unwrapped.generate_batch(
+                [list(e["input_ids"]) for e in encoded],
+                generation_config=generation_config,
+                continuous_batching_config=continuous_batching,
+                progress_bar=False,
+            )
+            if len(outputs) != len(encoded):
+                raise RuntimeError(f"Continuous batching returned {len(outputs)} of {len(encoded)} completions.")
+            completions.extend(torch.tensor(o.generated_tokens, dtype=torch.long) for o in outputs.values())
+        for start in range(0, len(encoded) if continuous_batching is None else 0, batch_size):
             chunk = _collate_chunk(encoded[start : start + batch_size], pad_token_id, pad_to_multiple_of, device)
-            sequences = _generate_chunk(unwrapped, chunk, generation_config, share_prefix and not is_encoder_decoder)
+            sequences = _generate_chunk(unwrapped, chunk, generation_config, shared_prefix and not is_encoder_decoder)
             # decoder-only: drop the prompt; encoder-decoder: drop the decoder start token
             new_tokens = sequences[:, 1:] if is_encoder_decoder else sequences[:, chunk["input_ids"].size(1) :]
             completions.extend(new_tokens.cpu())

@@ -8,8 +8,8 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from .answers import extract_answer
 from .data import is_conversational_prompt
-from .generation import generate_batched, get_eos_token_ids, get_tokenizer
-from .models import from_pretrained_checked, load_model_plain
+from .generation import generate_batched, get_eos_token_ids
+from .models import from_pretrained_checked, get_tokenizer, load_model_plain
 
 
 SCORE_TEMPLATE = (

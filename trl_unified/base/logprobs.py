@@ -1,6 +1,7 @@
 """Per-token log-probs and entropies of completion tokens, computed only where needed."""
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,14 +50,13 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> 
 
 @dataclass
 class TokenLogprobs:
-    """Per-token log-probs `(B, C)`, entropies `(B, C)` or None, and the MoE auxiliary loss or None."""
+    """Per-token log-probs `(B, C)`, entropies `(B, C)` or None, the MoE auxiliary loss or None, and the `(B, C)`
+    statistics a `logits_stats` function returned (no grad), by name."""
 
     logps: torch.Tensor
     entropy: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
-    mean_logits: torch.Tensor | None = None  # (B, C) mean over the vocabulary, no grad (token_stats)
-    is_top1: torch.Tensor | None = None  # (B, C) bool: the token is the argmax (token_stats)
-    log_sum_sq_probs: torch.Tensor | None = None  # (B, C) log Σ_v p_v², no grad (token_stats; WPO weighting)
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def compute_token_logprobs(
@@ -69,9 +69,8 @@ def compute_token_logprobs(
     entropy_requires_grad: bool = False,
     batch_size: int | None = None,
     output_router_logits: bool = False,
-    share_prompt: bool = False,
-    token_stats: bool = False,
-    sum_sq_probs: bool = False,
+    shared_prefix: bool = False,
+    logits_stats: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]] | None = None,
     **forward_kwargs,
 ) -> TokenLogprobs:
     """Log-probs of the last `logits_to_keep` tokens of `input_ids` under `model`, logits divided by `temperature`.
@@ -91,11 +90,10 @@ def compute_token_logprobs(
             (an entropy bonus in the loss); otherwise they are computed without grad, for logging and masks.
         batch_size (`int`, *optional*): rows per forward pass; all rows at once by default.
         output_router_logits (`bool`, *optional*, defaults to `False`): return the MoE load-balancing loss.
-        token_stats (`bool`, *optional*, defaults to `False`): also return, without grad, the per-token mean logit
-            and whether the token is the argmax (metrics).
-        sum_sq_probs (`bool`, *optional*, defaults to `False`): also return log Σ_v p_v² per token, without grad
-            (WPO weights).
-        share_prompt (`bool`, *optional*, defaults to `False`): encode each distinct prompt (`input_ids[:, :-C]`) of a
+        logits_stats (`Callable`, *optional*): called without grad on each chunk's scaled logits `(b, C, V)` and its
+            target ids `(b, C)`; returns `(b, C)` tensors by name, concatenated into `TokenLogprobs.stats` (per-token
+            metrics that need the full logits, computed while they exist).
+        shared_prefix (`bool`, *optional*, defaults to `False`): encode each distinct prompt (`input_ids[:, :-C]`) of a
             chunk once and reuse its KV cache for the rows that repeat it (see `base/prefix.py`); same log-probs and,
             under grad, same gradients as the plain forward, less compute when prompts repeat. The caller decides
             whether the model supports it (`prefix.unsupported_reason`).
@@ -113,7 +111,7 @@ def compute_token_logprobs(
     """
     batch_size = batch_size or input_ids.size(0)
     logps, entropies, aux_losses = [], [], []
-    stats: dict[str, list[torch.Tensor]] = {"mean_logits": [], "is_top1": [], "log_sum_sq_probs": []}
+    stats: dict[str, list[torch.Tensor]] = {}
     for start in range(0, input_ids.size(0), batch_size):
         rows = slice(start, start + batch_size)
         kwargs = {
@@ -126,7 +124,7 @@ def compute_token_logprobs(
             kwargs["output_router_logits"] = True
         prompt_length = input_ids.size(1) - logits_to_keep
         groups = None
-        if share_prompt:
+        if shared_prefix:
             groups = group_prompts(input_ids[rows, :prompt_length], attention_mask[rows, :prompt_length])
         if groups is None:
             outputs = model(
@@ -152,18 +150,15 @@ def compute_token_logprobs(
         if compute_entropy:
             with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
                 entropies.append(entropy_from_logits(logits))
-        if token_stats:
+        if logits_stats is not None:
             with torch.no_grad():
-                stats["mean_logits"].append(logits.mean(-1).float())
-                stats["is_top1"].append(logits.argmax(-1) == input_ids[rows, -logits_to_keep:])
-        if sum_sq_probs:
-            with torch.no_grad():
-                stats["log_sum_sq_probs"].append(torch.logsumexp(2 * logits.float().log_softmax(-1), dim=-1))
+                for name, value in logits_stats(logits, input_ids[rows, -logits_to_keep:]).items():
+                    stats.setdefault(name, []).append(value)
         if output_router_logits and getattr(outputs, "aux_loss", None) is not None:
             aux_losses.append(outputs.aux_loss)
     return TokenLogprobs(
         logps=torch.cat(logps),
         entropy=torch.cat(entropies) if compute_entropy else None,
         aux_loss=torch.stack(aux_losses).mean() if aux_losses else None,
-        **{key: torch.cat(values) for key, values in stats.items() if values},
+        stats={name: torch.cat(values) for name, values in stats.items()},
     )

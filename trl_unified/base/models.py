@@ -20,10 +20,39 @@ from transformers import (
 logger = logging.getLogger(__name__)
 
 
+def get_tokenizer(processing_class: PreTrainedTokenizerBase | ProcessorMixin) -> PreTrainedTokenizerBase:
+    """The tokenizer of a processor, or the tokenizer itself."""
+    return getattr(processing_class, "tokenizer", processing_class)
+
+
 def model_id_of(model) -> str:
     """The id or path a model was loaded from (`config._name_or_path`), or its class name if built in memory."""
     model = model.get_base_model() if hasattr(model, "get_base_model") else model
     return getattr(model.config, "_name_or_path", "") or type(model).__name__
+
+
+def default_output_dir(model, trainer_name: str) -> str:
+    """TRL's default `output_dir`: `<model name>-<trainer>`, the model name being the last part of its id or path
+    (`config._name_or_path`, also for a model object; its class name when it was built in memory)."""
+    model_id = model if isinstance(model, str) else model_id_of(model)
+    return f"{model_id.rstrip('/').split('/')[-1]}-{trainer_name}"
+
+
+def moe_aux_loss_setup(model, args) -> tuple[bool, float]:
+    """`(aux_loss_enabled, router_aux_loss_coef)` as TRL's trainers set them: a Mixture-of-Experts model (its config
+    has `output_router_logits`) adds `coef * load-balancing loss`, `coef` being `args.router_aux_loss_coef`, or the
+    model config's own value when that is None; 0.0 disables it."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    text_config = base.config.get_text_config()
+    coef = args.router_aux_loss_coef
+    is_moe = hasattr(text_config, "output_router_logits")
+    if coef and not is_moe:
+        raise ValueError(
+            f"`router_aux_loss_coef` is set to {coef} but {type(base).__name__} is not a Mixture-of-Experts model "
+            "that returns its router logits, so there is no auxiliary loss to weight. Leave it at None."
+        )
+    coef = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
+    return is_moe and coef != 0.0, float(coef or 0.0)
 
 
 def _auto_class_for(config):
@@ -91,7 +120,7 @@ def load_processing_class(processing_class, model, args):
             ) from e
     if not isinstance(processing_class, (PreTrainedTokenizerBase, ProcessorMixin)):
         raise TypeError(f"processing_class must be a tokenizer or a processor, got {type(processing_class).__name__}.")
-    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    tokenizer = get_tokenizer(processing_class)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.pad_token is None:
@@ -168,6 +197,28 @@ def prepare_peft_checkpointing(model, args) -> None:
     """With PEFT and gradient checkpointing, the frozen embeddings must still pass gradients to checkpointed blocks."""
     if is_peft_model(model) and args.gradient_checkpointing:
         model.enable_input_require_grads()
+
+
+def cast_lm_head_to_fp32(model) -> None:
+    """Compute the LM head in float32 (as TRL's `cast_lm_head_to_fp32`): its weight becomes float32 and its input
+    is cast up, so logits and log-probs keep float32 precision with bf16/fp16 weights. A tied input embedding keeps
+    returning the model's dtype."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"cast_lm_head_to_fp32=True, but {type(base).__name__} has no output embeddings (LM head).")
+    if not isinstance(head, torch.nn.Linear) or type(head) is not torch.nn.Linear:
+        raise ValueError(
+            "`cast_lm_head_to_fp32=True` is not supported when the lm_head carries a PEFT adapter (e.g. "
+            "`target_modules` includes `lm_head`). Remove `lm_head` from the adapter's target modules, or set "
+            "`cast_lm_head_to_fp32=False`."
+        )
+    dtype = head.weight.dtype
+    head.float()
+    head.register_forward_pre_hook(lambda module, args: (args[0].float(), *args[1:]))
+    embeddings = base.get_input_embeddings()
+    if getattr(base.config.get_text_config(), "tie_word_embeddings", False) and embeddings is not None:
+        embeddings.register_forward_hook(lambda module, args, output: output.to(dtype))
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

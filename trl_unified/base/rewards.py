@@ -18,17 +18,25 @@ from .models import from_pretrained_checked, load_tokenizer, model_id_of
 RewardFunc = str | PreTrainedModel | Callable[..., list[float | None]]
 
 
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Bessel-corrected standard deviation ignoring NaNs, over `dim` (all entries if None); NaN below 2 values."""
+    mean = torch.nanmean(x, dim=dim, keepdim=dim is not None)
+    count = (~torch.isnan(x)).sum(dim=dim)
+    variance = torch.nanmean((x - mean) ** 2, dim=dim) * count / (count - 1)
+    return torch.where(count > 1, variance, torch.full_like(variance, float("nan"))).sqrt()
+
+
 def _name_of(func) -> str:
     if isinstance(func, nn.Module):
         return model_id_of(func).rstrip("/").split("/")[-1]
     return getattr(func, "__name__", type(func).__name__)
 
 
-def _is_async(func) -> bool:
+def is_async_callable(func) -> bool:
     return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))  # noqa: B004
 
 
-class _EventLoopThread:
+class EventLoopThread:
     """A daemon thread running one asyncio loop, so async reward functions run concurrently from sync code."""
 
     def __init__(self):
@@ -51,10 +59,18 @@ class RewardFunctions:
         `prompt + completion` (or the chat-templated conversation) with its own tokenizer.
     """
 
-    def __init__(self, reward_funcs, reward_processing_classes, reward_weights, args, policy_tokenizer=None):
-        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        if not funcs:
-            raise ValueError("reward_funcs is empty: pass at least one reward function or reward model.")
+    def __init__(
+        self, reward_funcs, reward_processing_classes, reward_weights, args, policy_tokenizer=None, extra_funcs=()
+    ):
+        if reward_funcs is None:
+            funcs = []
+        else:
+            funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not funcs and not extra_funcs:
+            raise ValueError(
+                "No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose environment "
+                "defines a `get_reward` method."
+            )
         funcs = [self._load(f, args) if isinstance(f, str) else f for f in funcs]
         for i, f in enumerate(funcs):
             if not (callable(f) or isinstance(f, nn.Module)):
@@ -68,8 +84,14 @@ class RewardFunctions:
                 f"reward_weights has {len(reward_weights)} values but there are {len(funcs)} reward functions "
                 f"({self.names}). Give one weight per reward function."
             )
-        self.weights = torch.tensor(reward_weights if reward_weights is not None else [1.0] * len(funcs))
-        self._loop = _EventLoopThread() if any(_is_async(f) for f in funcs) else None
+        weights = list(reward_weights) if reward_weights is not None else [1.0] * len(funcs)
+        for name, func in extra_funcs:  # e.g. environment-owned rewards: weight 1, named after their source
+            self.funcs.append(func)
+            self.names.append(name)
+            self.processing_classes.append(None)
+            weights.append(1.0)
+        self.weights = torch.tensor(weights, dtype=torch.float32)
+        self._loop = EventLoopThread() if any(is_async_callable(f) for f in self.funcs) else None
 
     @staticmethod
     def _load(model_id: str, args) -> PreTrainedModel:
@@ -83,17 +105,14 @@ class RewardFunctions:
         )
 
     def _processing_classes(self, classes, args, policy_tokenizer):
-        classes = (
-            list(classes)
-            if isinstance(classes, (list, tuple))
-            else [classes] * len(self.funcs)
-            if classes is not None
-            else [None] * len(self.funcs)
-        )
+        if classes is None:
+            classes = [None] * len(self.funcs)
+        classes = list(classes) if isinstance(classes, (list, tuple)) else [classes]  # one class: one function
         if len(classes) != len(self.funcs):
             raise ValueError(
-                f"reward_processing_classes has {len(classes)} entries but there are {len(self.funcs)} "
-                "reward functions."
+                f"The number of reward processing classes ({len(classes)}) must match the number of reward functions "
+                f"({len(self.funcs)}: {self.names}). Pass a list with one entry per reward function (None where the "
+                "model's own tokenizer should be loaded)."
             )
         for i, (func, cls) in enumerate(zip(self.funcs, classes, strict=True)):
             if not isinstance(func, PreTrainedModel):
@@ -134,7 +153,9 @@ class RewardFunctions:
             return model(**{k: v.to(device) for k, v in inputs.items()}).logits[:, 0].float().cpu().tolist()
 
     def _check(self, name: str, values, expected: int) -> list[float]:
-        if values is None or not hasattr(values, "__len__"):
+        if values is not None and not hasattr(values, "__len__") and hasattr(values, "__iter__"):
+            values = list(values)  # a generator or other iterable, as TRL accepts
+        if values is None or not hasattr(values, "__len__") or isinstance(values, (str, bytes)):
             raise TypeError(
                 f"Reward function {name!r} returned {type(values).__name__}; it must return a list of floats."
             )
@@ -180,7 +201,7 @@ class RewardFunctions:
                     values = self._score_with_model(
                         func, self.processing_classes[i], prompts, completions, device, chat_template_kwargs or {}
                     )
-                elif _is_async(func):
+                elif is_async_callable(func):
                     pending.append(
                         (
                             i,

@@ -9,22 +9,32 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather_object, set_seed
-from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+from datasets import Dataset, IterableDataset
 from transformers import Trainer
 
 from . import answers as _answers
 from .answers import answers_match, extract_answer
+from .batch import TensorBatch
 from .config import PolicyConfig
-from .data import column_names, get_images
-from .generation import build_generation_config, generate_batched, get_eos_token_ids, get_tokenizer
+from .data import (
+    check_dataset_types,
+    check_images_fit,
+    column_names,
+    configure_iterable_loading,
+    get_images,
+    has_iterable,
+)
+from .generation import build_generation_config, generate_batched, get_eos_token_ids
 from .logprobs import TokenLogprobs, compute_token_logprobs
 from .model_card import write_model_card
 from .models import (
     apply_peft,
+    default_output_dir,
     disable_dropout,
+    get_tokenizer,
     load_model,
     load_processing_class,
-    model_id_of,
+    moe_aux_loss_setup,
     prepare_peft_checkpointing,
 )
 from .papers import PAPERS
@@ -39,13 +49,20 @@ class PolicyTrainerBase(Trainer):
     """Base of every trl_unified trainer: model loading, reference model, generation, log-probs, evaluation with
     generative accuracy, metric logging, model cards.
 
-    A subclass sets `_name` (its `PAPERS` entry and Hub tags follow from it) and `config_class`, and implements:
+    A subclass declares, as class attributes, `_name` (its `PAPERS` entry and Hub tags follow from it) and
+    `config_class`, and implements `compute_policy_loss(model, inputs, num_items_in_batch)` → loss tensor, or
+    `(loss, model_outputs)` (record metrics with `self.log_metric(name, value)`).
 
-    - `compute_policy_loss(model, inputs, num_items_in_batch)` → loss tensor, or `(loss, model_outputs)`;
-      record metrics with `self.log_metric(name, value)`.
-    - `needs_reference(args)` → whether a reference model is built (default: False).
-    - `prepare_dataset`, `make_data_collator`, `generation_options` to shape data and generation.
-    - Optionally `eval_prompt(row)` and `reference_answer(row)` for generative evaluation accuracy.
+    Every other hook is a method without arguments beyond its data, called after `transformers.Trainer.__init__` (so
+    `self.args`, `self.model`, `self.processing_class` and `self.accelerator` exist), in this order:
+
+    1. `prepare_dataset(dataset, name)`: validate / tokenise each dataset (train, then each eval set);
+    2. `needs_reference()`, `reference_is_policy()`: which reference model is built (`self.reference`);
+    3. `make_data_collator()`: the collator, when the user passed none;
+    4. `setup()`: anything else the trainer needs once (e.g. reward functions), with the above in place.
+
+    Constructor arguments that only a subclass has are stored on `self` before `super().__init__` (a hook may read
+    them). Evaluation adds `eval_prompt(row)` and `reference_answer(row)`; generation adds `generation_options()`.
     """
 
     _name = "Policy"
@@ -78,9 +95,7 @@ class PolicyTrainerBase(Trainer):
         peft_config=None,
         generative_metrics=None,
     ):
-        args = args or self.config_class(
-            output_dir=f"{str(model if isinstance(model, str) else model_id_of(model)).split('/')[-1]}-{self._name}"
-        )
+        args = args or self.config_class(output_dir=default_output_dir(model, self._name))
         set_seed(args.seed)  # a PEFT adapter's initialisation must be reproducible
         model = self._load_policy(model, args, quantization_config)
         processing_class = load_processing_class(processing_class, model, args)
@@ -89,25 +104,8 @@ class PolicyTrainerBase(Trainer):
         prepare_peft_checkpointing(model, args)
         if args.disable_dropout:
             disable_dropout(model)
-        _reject_dataset_dict(train_dataset)
-        for dataset in (train_dataset, *(eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset])):
-            _check_images_fit(dataset, processing_class, model)
-        train_dataset = self.prepare_dataset(train_dataset, processing_class, args, "train")
-        if isinstance(eval_dataset, dict):
-            eval_dataset = {k: self.prepare_dataset(v, processing_class, args, k) for k, v in eval_dataset.items()}
-        else:
-            eval_dataset = self.prepare_dataset(eval_dataset, processing_class, args, "eval")
-        self.reference = ReferenceModel.build(
-            model,
-            ref_model,
-            args,
-            self.needs_reference(args),
-            adapter_is_pretrained,
-            quantization_config,
-            policy_is_reference=self.reference_is_policy(args),
-        )
-        if data_collator is None:
-            data_collator = self.make_data_collator(processing_class, args)
+        check_dataset_types(train_dataset, eval_dataset)
+        configure_iterable_loading(args, train_dataset, eval_dataset)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._pending_eval_metrics = {}
         self.generative_metrics = list(generative_metrics or [])
@@ -123,31 +121,57 @@ class PolicyTrainerBase(Trainer):
             compute_metrics=compute_metrics,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
-        self.reference.prepare(self.accelerator)
-        install_distributed_shutdown()  # see base/shutdown.py: no SIGABRT at exit
         self.eos_token_ids = get_eos_token_ids(self.model, processing_class)
+        self.train_dataset = self.prepare_dataset(train_dataset, "train")
+        self.eval_dataset = self._prepare_eval_datasets(eval_dataset)
+        self.reference = ReferenceModel.build(
+            self.model,
+            ref_model,
+            self.args,
+            self.needs_reference(),
+            adapter_is_pretrained,
+            quantization_config,
+            policy_is_reference=self.reference_is_policy(),
+        )
+        self.reference.prepare(self.accelerator)
+        if data_collator is None:
+            self.data_collator = self.make_data_collator() or self.data_collator
+        self.aux_loss_enabled, self.router_aux_loss_coef = moe_aux_loss_setup(self.model, self.args)
+        self.setup()
+        self.sync_reference_every_steps()
+        install_distributed_shutdown()  # see base/shutdown.py: no SIGABRT at exit
         if hasattr(self.model, "add_model_tags"):
             self.model.add_model_tags(self._tag_names)
         # One seed everywhere: accelerate derives the shared shuffling from it (online trainers re-seed per process).
         set_seed(self.args.seed)
 
-    # ------------------------------------------------------------------ hooks for subclasses
-    def needs_reference(self, args) -> bool:
-        """Whether the algorithm uses a reference model (e.g. `args.beta != 0`)."""
-        return False
+    def _prepare_eval_datasets(self, eval_dataset):
+        if isinstance(eval_dataset, dict):
+            return {name: self.prepare_dataset(dataset, name) for name, dataset in eval_dataset.items()}
+        return self.prepare_dataset(eval_dataset, "eval")
 
-    def reference_is_policy(self, args) -> bool:
+    # ------------------------------------------------------------------ hooks for subclasses (see the class docstring)
+    def prepare_dataset(self, dataset, name: str):
+        """Validate / tokenise a dataset before training (called once per dataset; `name` is "train", "eval" or the
+        key of an eval dict). The base checks that image columns meet a vision-language model."""
+        check_images_fit(dataset, self.processing_class, self.model)
+        return dataset
+
+    def needs_reference(self) -> bool:
+        """Whether the algorithm uses a reference model (by default: `args.uses_reference_model()`)."""
+        return self.args.uses_reference_model()
+
+    def reference_is_policy(self) -> bool:
         """Whether the untrained policy itself may serve as reference when no ref_model is given (see
         `ReferenceModel`: only when every reference output is computed before training)."""
         return False
 
-    def prepare_dataset(self, dataset, processing_class, args, name: str):
-        """Validate / tokenise a dataset before training (called once per dataset, before `Trainer.__init__`)."""
-        return dataset
-
-    def make_data_collator(self, processing_class, args):
+    def make_data_collator(self):
         """The collator used when the user passes none (None: `transformers.Trainer`'s default)."""
         return None
+
+    def setup(self) -> None:
+        """One-time set-up after the datasets, the reference and the collator are in place."""
 
     def compute_policy_loss(self, model, inputs, num_items_in_batch=None):
         """The algorithm's loss for one micro-batch. Return the loss, or `(loss, model_outputs)`."""
@@ -161,10 +185,9 @@ class PolicyTrainerBase(Trainer):
         """The prompt generated from during generative evaluation."""
         return row["prompt"]
 
-    def reference_answer(self, row: dict[str, Any]) -> str | None:
-        """The reference answer of an eval row, or None when it has none."""
-        value = row.get(self.args.eval_answer_field)
-        return None if value is None else str(value)
+    def reference_answer(self, row: dict[str, Any]):
+        """The reference answer of an eval row (a value, or a list of accepted values), or None when it has none."""
+        return row.get(self.args.eval_answer_field)
 
     @property
     def ref_model(self):
@@ -175,7 +198,7 @@ class PolicyTrainerBase(Trainer):
     def sync_reference_every_steps(self) -> None:
         """With `args.sync_ref_model`, add TRL's `SyncRefModelCallback` (TR-DPO: every `ref_model_sync_steps`,
         π_ref ← α π_θ + (1 - α) π_ref). Only a separate reference model can be synced."""
-        if not getattr(self.args, "sync_ref_model", False):
+        if not self.args.sync_ref_model:
             return
         if self.reference.kind != "copy":
             raise NotImplementedError(
@@ -185,6 +208,14 @@ class PolicyTrainerBase(Trainer):
         from trl import SyncRefModelCallback
 
         self.add_callback(SyncRefModelCallback(ref_model=self.reference.model, accelerator=self.accelerator))
+
+    def add_aux_loss(self, loss: torch.Tensor, aux_loss: torch.Tensor | None, scale: float = 1.0) -> torch.Tensor:
+        """`loss + router_aux_loss_coef * aux_loss * scale` when the MoE load-balancing loss is enabled (and logged as
+        `aux_loss`); `loss` unchanged otherwise."""
+        if not self.aux_loss_enabled or aux_loss is None:
+            return loss
+        self.log_metric("aux_loss", self.accelerator.gather(aux_loss.detach()).mean().item())
+        return loss + self.router_aux_loss_coef * aux_loss * scale
 
     # ------------------------------------------------------------------ model loading
     def _load_policy(self, model, args, quantization_config):
@@ -258,18 +289,32 @@ class PolicyTrainerBase(Trainer):
             return loss, outputs
         return loss
 
+    def _prepare_inputs(self, inputs):
+        if isinstance(inputs, TensorBatch):
+            return inputs.to(self.args.device)
+        return super()._prepare_inputs(inputs)
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
             result = self.compute_policy_loss(model, inputs, None)
         loss, outputs = result if isinstance(result, tuple) else (result, None)
-        if prediction_loss_only or outputs is None:
+        if prediction_loss_only or self.compute_metrics is None:  # logits are kept only for compute_metrics
             return loss.detach(), None, None
-        labels = inputs.get("labels") if isinstance(inputs, dict) else None
-        return loss.detach(), outputs.logits.detach(), labels
+        logits, labels = self.prediction_outputs(model, inputs, outputs)
+        return loss.detach(), logits, labels
+
+    def prediction_outputs(self, model, inputs, outputs):
+        """`(logits, labels)` handed to `compute_metrics`: by default the loss forward's logits and the batch's
+        labels."""
+        if outputs is None:
+            return None, None
+        return outputs.logits.detach(), inputs["labels"] if "labels" in inputs else None
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         """Eval loss and metrics as `Trainer.evaluate`, plus generative accuracy (see `evaluate_generations`)."""
+        if has_iterable(eval_dataset):  # passed here, after the accelerator was built: read as rows, per process
+            self.accelerator.dataloader_config.dispatch_batches = False
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, str):
             dataset = self.eval_dataset[dataset]
@@ -429,31 +474,3 @@ class PolicyTrainerBase(Trainer):
     def _save_checkpoint(self, model, trial):
         self.create_model_card(model_name=self.args.hub_model_id or os.path.basename(self.args.output_dir))
         super()._save_checkpoint(model, trial)
-
-
-def _reject_dataset_dict(train_dataset) -> None:
-    """A `DatasetDict` holds splits, not rows (an eval dict of datasets is fine: it means several eval sets)."""
-    if isinstance(train_dataset, (DatasetDict, IterableDatasetDict)):
-        splits = list(train_dataset)
-        raise ValueError(
-            f"train_dataset is a {type(train_dataset).__name__} with splits {splits}; the trainer needs one split. "
-            f"Pass e.g. dataset[{(splits or ['train'])[0]!r}] (and another split as eval_dataset)."
-        )
-
-
-def _check_images_fit(dataset, processing_class, model) -> None:
-    """Rows with images need a processor with an image processor and a vision-language model."""
-    names = column_names(dataset) or []
-    if not any(c in names for c in ("image", "images")):
-        return
-    if not hasattr(processing_class, "image_processor"):
-        raise ValueError(
-            f"The dataset has an image column ({[c for c in names if c in ('image', 'images')]}) but the processing "
-            f"class is a {type(processing_class).__name__}, not an image processor. Pass a vision-language model and "
-            "its AutoProcessor, or remove the image column."
-        )
-    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
-    if getattr(config, "vision_config", None) is None:
-        raise ValueError(
-            f"The dataset has images but the model ({type(model).__name__}) is text-only. Use a vision-language model."
-        )

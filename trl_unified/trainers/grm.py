@@ -13,7 +13,6 @@ row's own reference judgment).
 """
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,14 +21,8 @@ from trl import prepare_multimodal_messages
 
 from ..base.answers import extract_answer
 from ..base.config import PolicyConfig, document_fields
-from ..base.data import (
-    column_names,
-    get_images,
-    is_conversational_prompt,
-    pad,
-    split_prompt_completion,
-    tokenize_prompt_completion,
-)
+from ..base.data import dataset_columns, get_images, is_conversational_prompt, split_prompt_completion
+from ..base.sft_data import SFTBatch, SFTCollator, tokenize_sft_row
 from ..base.trainer import PolicyTrainerBase
 
 
@@ -135,17 +128,21 @@ class GRMTrainer(PolicyTrainerBase):
             quantization_config=quantization_config,
             peft_config=peft_config,
         )
+
+    def setup(self) -> None:
         self.loss_is_scaled_for_ga = True  # divided by num_items_in_batch, the judgment tokens of the whole step
         self.model_accepts_loss_kwargs = True  # so the Trainer counts num_items_in_batch from the labels
 
     # ------------------------------------------------------------------ data
-    def prepare_dataset(self, dataset, processing_class, args, name):
+    def prepare_dataset(self, dataset, name):
+        dataset = super().prepare_dataset(dataset, name)
+        args = self.args
         if dataset is None:
             if name == "train":
                 raise ValueError("train_dataset is required: GRMTrainer needs judging rows to learn from.")
             return None
         streaming = isinstance(dataset, IterableDataset)
-        columns = column_names(dataset) or (list(next(iter(dataset), {})) if streaming else [])
+        columns = dataset_columns(dataset)
         if self.formatting_func is not None:
             self._check_formatting_func(columns, args)
             dataset = dataset.map(lambda row: {args.dataset_text_field: self.formatting_func(row)})
@@ -165,8 +162,8 @@ class GRMTrainer(PolicyTrainerBase):
         # IterableDataset.map takes neither num_proc nor desc: streaming rows are tokenised as they are read.
         map_kwargs = {} if streaming else {"num_proc": args.dataset_num_proc, "desc": f"Tokenizing {name} dataset"}
         return dataset.map(
-            _tokenize_row,
-            fn_kwargs={"processing_class": processing_class, "args": args},
+            tokenize_sft_row,
+            fn_kwargs={"processing_class": self.processing_class, "args": args},
             with_indices=True,
             **map_kwargs,
         )
@@ -197,13 +194,13 @@ class GRMTrainer(PolicyTrainerBase):
                 self.args.dataset_text_field,
             ]
 
-    def make_data_collator(self, processing_class, args):
-        return _GRMCollator(processing_class, args)
+    def make_data_collator(self):
+        return SFTCollator(self.processing_class, self.args)
 
     # ------------------------------------------------------------------ loss
-    def compute_policy_loss(self, model, inputs, num_items_in_batch=None):
-        labels = inputs["labels"]
-        outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
+    def compute_policy_loss(self, model, inputs: SFTBatch, num_items_in_batch=None):
+        labels = inputs.labels
+        outputs = model(**inputs.model_inputs())
         logits, targets = outputs.logits[:, :-1, :], labels[:, 1:]  # (B, T-1, V), (B, T-1): position t predicts t+1
         nll = F.cross_entropy(
             logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100, reduction="sum"
@@ -227,105 +224,13 @@ class GRMTrainer(PolicyTrainerBase):
         images = get_images(row)
         return prepare_multimodal_messages(prompt, images=images) if images else prompt
 
-    def reference_answer(self, row) -> str | None:
+    def reference_answer(self, row):
         value = row.get(self.args.eval_answer_field)
         if value is not None:
-            return str(value)
+            return value
         _, completion = split_prompt_completion(row, self.args.dataset_text_field)
         text = completion[-1]["content"] if is_conversational_prompt(completion) else completion
         return extract_answer(text if isinstance(text, str) else str(text), self.args.answer_extractor)
 
     def _has_reference_answers(self, names):
         return self.args.eval_answer_field in names or {"prompt", "completion"} <= set(names) or "messages" in names
-
-
-def _tokenize_row(row: dict[str, Any], index: int, processing_class, args) -> dict[str, list[int]]:
-    """`input_ids` and `completion_mask` (1 on tokens that carry the loss) of one text row, truncated."""
-    prompt, completion = split_prompt_completion(row, args.dataset_text_field)
-    if args.assistant_only_loss and row.get("messages"):
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        out = tokenizer.apply_chat_template(
-            row["messages"],
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-            **(args.chat_template_kwargs or {}),
-        )
-        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-        if not any(mask):
-            raise ValueError(
-                "assistant_only_loss=True but the chat template marks no assistant tokens: it needs "
-                "{% generation %} ... {% endgeneration %} around assistant turns."
-            )
-    else:
-        prompt_ids, completion_ids = tokenize_prompt_completion(
-            processing_class, prompt, completion, args.chat_template_kwargs, args.eos_token
-        )
-        only_completion = args.completion_only_loss is not False and bool(prompt_ids)
-        ids = prompt_ids + completion_ids
-        mask = [0 if only_completion else 1] * len(prompt_ids) + [1] * len(completion_ids)
-    if args.max_length is not None and len(ids) > args.max_length:
-        keep = slice(None, args.max_length) if args.truncation_mode == "keep_start" else slice(-args.max_length, None)
-        ids, mask = ids[keep], mask[keep]
-    if sum(mask[1:]) == 0:
-        raise ValueError(
-            f"Row {index} has no judgment tokens left to learn from (all labels masked) after truncation to "
-            f"max_length={args.max_length} with truncation_mode={args.truncation_mode!r}. Increase max_length, "
-            "shorten the prompt, or remove the row."
-        )
-    return {"input_ids": ids, "completion_mask": mask}
-
-
-class _GRMCollator:
-    """Right-pads tokenised rows (labels -100 off the judgment); tokenises vision-language rows with the processor."""
-
-    def __init__(self, processing_class, args):
-        self.processing_class, self.args = processing_class, args
-        self.tokenizer = getattr(processing_class, "tokenizer", processing_class)
-
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        if "input_ids" in rows[0]:
-            ids = [torch.tensor(r["input_ids"]) for r in rows]
-            masks = [torch.tensor(r["completion_mask"]) for r in rows]
-            input_ids = pad(ids, self.tokenizer.pad_token_id, "right", self.args.pad_to_multiple_of)
-            attention_mask = pad([torch.ones_like(t) for t in ids], 0, "right", self.args.pad_to_multiple_of)
-            loss_mask = pad(masks, 0, "right", self.args.pad_to_multiple_of)
-            return {
-                "input_ids": input_ids,
-                "attention_mask": attention_mask,
-                "labels": input_ids.masked_fill(loss_mask == 0, -100),
-            }
-        return self._collate_multimodal(rows)
-
-    def _collate_multimodal(self, rows):
-        kwargs = self.args.chat_template_kwargs or {}
-        full_texts, prompt_texts, images = [], [], []
-        for row in rows:
-            prompt, completion = split_prompt_completion(row, self.args.dataset_text_field)
-            if not is_conversational_prompt(prompt):
-                raise ValueError("Rows with images need conversational prompts (lists of messages).")
-            row_images = get_images(row) or []
-            prompt = prepare_multimodal_messages(prompt, images=row_images)
-            completion = prepare_multimodal_messages(completion, images=[])
-            prompt_texts.append(
-                self.processing_class.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **kwargs)
-            )
-            full_texts.append(self.processing_class.apply_chat_template(prompt + completion, tokenize=False, **kwargs))
-            if not full_texts[-1].startswith(prompt_texts[-1]):
-                raise ValueError("The chat template's generation prompt is not a prefix of the assistant turn.")
-            images.append(row_images)
-        batch = self.processing_class(
-            text=full_texts, images=images, padding=True, padding_side="right", return_tensors="pt"
-        )
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        for i, (text, row_images) in enumerate(zip(prompt_texts, images, strict=True)):
-            prompt_len = self.processing_class(text=[text], images=[row_images], return_tensors="pt")[
-                "input_ids"
-            ].size(1)
-            labels[i, :prompt_len] = -100
-        if self.args.max_length is not None and batch["input_ids"].size(1) > self.args.max_length:
-            raise ValueError(
-                f"A vision-language row has {batch['input_ids'].size(1)} tokens, more than max_length="
-                f"{self.args.max_length}; image tokens cannot be truncated. Increase max_length."
-            )
-        return {**batch, "labels": labels}

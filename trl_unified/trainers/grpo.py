@@ -43,12 +43,14 @@ import torch
 from accelerate.utils import gather
 
 from ..base.config import document_fields
-from ..base.online import OnlineConfig, OnlineTrainer, RolloutBatch, nanstd
+from ..base.online import OnlineTrainer
+from ..base.online_config import OnlineConfig
+from ..base.rewards import nanstd
+from ..base.rollout import RolloutBatch
 
 
 logger = logging.getLogger(__name__)
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
-_VLLM_IS = "vLLM importance sampling applies to vLLM generation, which is not implemented."
 
 
 @document_fields
@@ -58,26 +60,19 @@ class GRPOConfig(OnlineConfig):
 
     _unimplemented_fields = {
         **OnlineConfig._unimplemented_fields,
-        **dict.fromkeys(
-            (
-                "vllm_importance_sampling_correction",
-                "vllm_importance_sampling_mode",
-                "vllm_importance_sampling_clip_max",
-                "vllm_importance_sampling_clip_min",
-                "vllm_importance_sampling_cap",
-            ),
-            _VLLM_IS,
-        ),  # fmt: skip
-        "cast_lm_head_to_fp32": "Load the model in float32 instead; log-probs are computed in float32 already.",
-        "max_tool_calling_iterations": "Tool calling (`tools`, `environment_factory`) is not implemented.",
         "log_completions_hub_repo": "Completion logs go to the console and W&B (`log_completions`).",
     }
+    _vllm_only_fields = (
+        *OnlineConfig._vllm_only_fields,
+        "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_mode",
+        "vllm_importance_sampling_clip_max",
+        "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_cap",
+    )
 
     num_generations: int | None = field(default=8, metadata={"help": "Completions sampled per prompt (G >= 2)."})
     beta: float = field(default=0.0, metadata={"help": "KL coefficient β. If 0.0, no reference model is loaded."})
-    cast_lm_head_to_fp32: bool = field(
-        default=False, metadata={"help": "Cast the LM head to float32 (not implemented)."}
-    )
     delta: float | None = field(
         default=None, metadata={"help": "Upper cap of the ratio (two-sided clipping). None: off."}
     )
@@ -110,15 +105,12 @@ class GRPOConfig(OnlineConfig):
     entropy_target: float = field(
         default=0.2, metadata={"help": "Entropy (nats) at or below which the bonus applies."}
     )
-    max_tool_calling_iterations: int | None = field(
-        default=None, metadata={"help": "Tool-calling turns (not implemented)."}
-    )
     vllm_importance_sampling_correction: bool = field(
         default=True, metadata={"help": "vLLM IS correction (vLLM only)."}
     )
     vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata={"help": "vLLM IS mode (vLLM only)."})
     vllm_importance_sampling_clip_max: float | None = field(
-        default=3.0, metadata={"help": "vLLM IS C_max (vLLM only)."}
+        default=3.0, metadata={"help": "vLLM IS C_max (vLLM only: ignored)."}
     )
     vllm_importance_sampling_clip_min: float | None = field(
         default=None, metadata={"help": "vLLM IS C_min (vLLM only)."}
@@ -156,21 +148,8 @@ class GRPOTrainer(OnlineTrainer):
     config_class = GRPOConfig
     loss_is_scaled_for_ga = True  # every loss type divides by the accumulation itself, as TRL does
 
-    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
-                 quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None,
-                 ref_model=None):  # fmt: skip
-        for name, value in (
-            ("tools", tools),
-            ("rollout_func", rollout_func),
-            ("environment_factory", environment_factory),
-        ):
-            if value is not None:
-                raise NotImplementedError(f"{name} is not supported by trl_unified's GRPOTrainer yet (agents and "
-                                          "custom rollouts); generation is the shared batched rollout.")  # fmt: skip
-        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
-                         reward_processing_classes, callbacks, optimizers, quantization_config, peft_config,
-                         ref_model)  # fmt: skip
+    def setup(self) -> None:
+        super().setup()
         a = self.args
         if a.loss_type == "luspo" and a.importance_sampling_level != "sequence":
             logger.warning("When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'`.")
@@ -201,11 +180,18 @@ class GRPOTrainer(OnlineTrainer):
         return torch.nan_to_num(advantages, nan=0.0)
 
     def compute_policy_loss(self, model, inputs: RolloutBatch, num_items_in_batch=None):
-        a, mode, mask = self.args, "train" if self.model.training else "eval", inputs.completion_mask
+        a, mode, mask = self.args, "train" if self.model.training else "eval", inputs.loss_mask
         input_ids, attention_mask, extra = inputs.model_inputs()
-        out = self.token_logprobs(model, input_ids, attention_mask, mask.size(1), compute_entropy=True,
+        out = self.token_logprobs(
+            model,
+            input_ids,
+            attention_mask,
+            mask.size(1),
+            compute_entropy=True,
             entropy_requires_grad=a.entropy_coef != 0.0 or a.use_adaptive_entropy,
-                                  output_router_logits=self.aux_loss_enabled, **extra)  # fmt: skip
+            output_router_logits=self.aux_loss_enabled,
+            **extra,
+        )
         logps, entropies = out.logps, out.entropy
         entropy_mask = self._high_entropy_mask(entropies, mask) if a.top_entropy_quantile < 1.0 else None
         advantages = inputs.advantages.unsqueeze(1)  # (B, 1)
@@ -248,11 +234,11 @@ class GRPOTrainer(OnlineTrainer):
             loss = self._entropy_bonus(
                 loss, entropies, mask if entropy_mask is None else mask * entropy_mask, accumulation, mode
             )
-        if self.aux_loss_enabled and out.aux_loss is not None:
-            loss = loss + self.aux_coef * out.aux_loss / accumulation
-            self.log_metric("aux_loss", out.aux_loss.item())
-        self._log_loss_metrics(ratio, advantages, entropies, mask, per_token_kl if a.beta != 0.0 else None, low, high,
-                               phi if a.loss_type == "vespo" else None)  # fmt: skip
+        loss = self.add_aux_loss(loss, out.aux_loss, scale=1.0 / accumulation)
+        kl = per_token_kl if a.beta != 0.0 else None
+        self._log_loss_metrics(
+            ratio, advantages, entropies, mask, kl, low, high, phi if a.loss_type == "vespo" else None
+        )
         return loss
 
     def _normalise(self, masked_loss, mask, inputs, accumulation, mode):

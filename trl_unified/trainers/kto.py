@@ -29,6 +29,7 @@ from datasets import Dataset
 
 from ..base.config import document_fields
 from ..base.preference import PreferenceConfig, PreferenceTrainer
+from ..base.preference_data import UnpairedBatch
 
 
 logger = logging.getLogger(__name__)
@@ -73,41 +74,49 @@ class KTOTrainer(PreferenceTrainer):
     required_columns = [("completion", "label"), ("chosen", "rejected")]
     signature_columns = ["prompt_ids", "completion_ids", "KL_completion_ids", "label", "ref_logps", "ref_KL_logps"]
 
-    @staticmethod
-    def _uses_kl(args) -> bool:
-        return args.loss_type == "kto"
+    def _uses_kl(self) -> bool:
+        return self.args.loss_type == "kto"
 
     def check_columns(self, dataset, name: str) -> None:
         super().check_columns(dataset, name)
         features = getattr(dataset, "features", None) or {}
         if "label" in features and "prompt_ids" not in features:
             dtype = getattr(features["label"], "dtype", None)
-            if dtype != "bool":
+            if dtype == "bool":
+                return
+            if not str(dtype).startswith(("int", "uint")) or not set(dataset.unique("label")) <= {0, 1}:
                 raise ValueError(
-                    f"The {name} dataset's label column has type {dtype}, but KTO needs booleans (True = desirable). "
-                    "Convert it, e.g. dataset.cast_column('label', datasets.Value('bool'))."
+                    f"The {name} dataset's label column has type {dtype}, but KTO needs booleans (True = desirable) "
+                    "or 0/1 integers. Convert it, e.g. dataset.cast_column('label', datasets.Value('bool'))."
                 )
 
-    def prepare_dataset(self, dataset, processing_class, args, name: str):
+    def prepare_dataset(self, dataset, name: str):
         tokenized = dataset is not None and "prompt_ids" in (getattr(dataset, "column_names", None) or [])
-        dataset = super().prepare_dataset(dataset, processing_class, args, name)
-        if dataset is None or tokenized or isinstance(dataset, dict):
+        dataset = super().prepare_dataset(dataset, name)
+        if dataset is None or tokenized:
             return dataset
-        if self._uses_kl(args):  # row i's KL completion is row i-1's, within blocks of the device batch size
+        if self._uses_kl():  # row i's KL completion is row i-1's, within blocks of the device batch size
 
             def rotate(rows):
                 return {"KL_completion_ids": [rows["completion_ids"][-1]] + rows["completion_ids"][:-1]}
 
-            dataset = dataset.map(rotate, batched=True, batch_size=args.per_device_train_batch_size)
+            dataset = dataset.map(rotate, batched=True, batch_size=self.args.per_device_train_batch_size)
         if name == "train" and isinstance(dataset, Dataset):
-            self._warn_on_imbalance(dataset["label"], args)
+            self._warn_on_imbalance([bool(label) for label in dataset["label"]])
         return dataset
 
-    @staticmethod
-    def _warn_on_imbalance(labels, args) -> None:
+    def _warn_on_imbalance(self, labels: list[bool]) -> None:
         """TRL's advice (paper, Eq. 8): λ_D n_D / (λ_U n_U) should lie in [1, 4/3]."""
-        n_d = max(sum(labels), 1)
-        n_u = max(len(labels) - n_d, 1)
+        args = self.args
+        n_d = sum(labels)
+        n_u = len(labels) - n_d
+        if n_d == 0 or n_u == 0:
+            kind = "undesirable" if n_d == 0 else "desirable"
+            logger.warning(
+                f"The train dataset has {n_d} desirable and {n_u} undesirable rows: every row is {kind}, so KTO "
+                "learns from one side only. Add rows with the other label."
+            )
+            return
         if n_d == n_u:
             return
         d_range = (round(n_u * args.undesirable_weight / n_d, 2), round(n_u * args.undesirable_weight / n_d * 1.33, 2))
@@ -120,27 +129,26 @@ class KTOTrainer(PreferenceTrainer):
                 f"undesirable_weight in {list(u_range)} (not both), per the KTO paper's Eq. 8."
             )
 
-    def reference_columns(self, batch):
-        columns = {"ref_logps": self.reference_completion_logps(batch).sum(1)}
-        if self._uses_kl(self.args):
-            columns["ref_KL_logps"] = self.reference_completion_logps(batch, prefix="KL_").sum(1)
+    def reference_columns(self, batch: UnpairedBatch):
+        columns = {"ref_logps": self.reference_completion_logps(batch.sequences).sum(1)}
+        if self._uses_kl():
+            columns["ref_KL_logps"] = self.reference_completion_logps(batch.kl_sequences).sum(1)
         return columns
 
-    def compute_policy_loss(self, model, inputs, num_items_in_batch=None):
+    def compute_policy_loss(self, model, inputs: UnpairedBatch, num_items_in_batch=None):
         args, beta = self.args, self.beta
-        desirable = inputs["label"].bool()
-        per_token, out = self.completion_logps(model, inputs, stats=True)
-        logratios = per_token.sum(1)
-        if "ref_logps" in inputs:
-            logratios = logratios - inputs["ref_logps"]
-        else:
-            logratios = logratios - self.reference_completion_logps(inputs).sum(1)
-        if self._uses_kl(args):
+        desirable = inputs.label.bool()
+        per_token, out = self.completion_logps(model, inputs.sequences, stats=True)
+        ref_logps = inputs.ref_logps
+        if ref_logps is None:
+            ref_logps = self.reference_completion_logps(inputs.sequences).sum(1)
+        logratios = per_token.sum(1) - ref_logps
+        if self._uses_kl():
             with torch.no_grad():
-                kl_logps = self.completion_logps(model, inputs, prefix="KL_").sum(1)
-            ref_kl = inputs.get("ref_KL_logps")
+                kl_logps = self.completion_logps(model, inputs.kl_sequences).sum(1)
+            ref_kl = inputs.ref_KL_logps
             if ref_kl is None:
-                ref_kl = self.reference_completion_logps(inputs, prefix="KL_").sum(1)
+                ref_kl = self.reference_completion_logps(inputs.kl_sequences).sum(1)
             kl = self.accelerator.gather_for_metrics((kl_logps - ref_kl).mean().detach()).mean().clamp(min=0)
         else:
             kl = torch.zeros((), device=logratios.device)
@@ -150,10 +158,10 @@ class KTOTrainer(PreferenceTrainer):
         else:  # apo_zero_unpaired
             losses_d, losses_u = 1 - F.sigmoid(beta * h_d), F.sigmoid(beta * h_u)
         loss = torch.cat([args.desirable_weight * losses_d, args.undesirable_weight * losses_u]).nanmean()
-        loss = self.add_aux_loss(loss, out)
+        loss = self.add_aux_loss(loss, out.aux_loss)
 
         self.log_metric("kl", kl.item())
-        self.log_sequence_metrics(inputs, out, {"chosen": desirable, "rejected": ~desirable})
+        self.log_sequence_metrics(inputs.sequences, out, {"chosen": desirable, "rejected": ~desirable})
         gather = self.accelerator.gather_for_metrics
         means = {}
         for group, rows in (("chosen", desirable), ("rejected", ~desirable)):

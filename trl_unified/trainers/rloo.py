@@ -26,10 +26,13 @@ import torch
 from accelerate.utils import gather
 
 from ..base.config import document_fields
-from ..base.online import OnlineConfig, OnlineTrainer, RolloutBatch, nanstd
+from ..base.online import OnlineTrainer
+from ..base.online_config import OnlineConfig
+from ..base.rewards import nanstd
+from ..base.rollout import RolloutBatch
 
 
-__all__ = ["RLOOConfig", "RLOOTrainer", "rloo_advantages", "nanstd"]
+__all__ = ["RLOOConfig", "RLOOTrainer", "rloo_advantages"]
 
 
 def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -87,7 +90,6 @@ class RLOOTrainer(OnlineTrainer):
     def needs_old_logps(self, mode: str) -> bool:
         return mode == "eval" or not self._reuses_policy_logps
 
-    @property
     def defers_advantages(self) -> bool:
         """The KL shaping of the reward needs pi_old, which is the loss forward's when no old log-probs were kept."""
         return self.model.training and self._reuses_policy_logps and self.reference.available
@@ -95,7 +97,7 @@ class RLOOTrainer(OnlineTrainer):
     def compute_advantages(self, rewards, rewards_per_func, batch: RolloutBatch, mode: str) -> torch.Tensor:
         kl = None
         if batch.ref_logps is not None:
-            kl = gather(self._sequence_kl(batch.old_logps, batch.ref_logps, batch.completion_mask))
+            kl = gather(self._sequence_kl(batch.old_logps, batch.ref_logps, batch.loss_mask))
         return self._advantages(rewards, kl, mode)
 
     def _sequence_kl(self, policy_tok, ref_tok, mask):
@@ -123,7 +125,7 @@ class RLOOTrainer(OnlineTrainer):
         return torch.nan_to_num(advantages, nan=0.0)
 
     def compute_policy_loss(self, model, inputs: RolloutBatch, num_items_in_batch=None):
-        mask = inputs.completion_mask
+        mask = inputs.loss_mask
         input_ids, attention_mask, extra = inputs.model_inputs()
         out = self.token_logprobs(
             model,
@@ -137,15 +139,13 @@ class RLOOTrainer(OnlineTrainer):
         logps = (out.logps * mask).sum(1)  # (B,); padding and post-EOS tokens masked
         old_logps = (inputs.old_logps * mask).sum(1) if inputs.old_logps is not None else logps.detach()
         advantages = (
-            self._deferred_advantages(inputs, out.logps.detach()) if self.defers_advantages else inputs.advantages
+            self._deferred_advantages(inputs, out.logps.detach()) if self.defers_advantages() else inputs.advantages
         )
         assert logps.shape == advantages.shape, (logps.shape, advantages.shape)
         ratio = torch.exp(logps - old_logps)  # (B,)
         low, high = 1 - self.args.epsilon, 1 + (self.args.epsilon_high or self.args.epsilon)
         loss = -torch.min(ratio * advantages, ratio.clamp(low, high) * advantages).mean()
-        if self.aux_loss_enabled and out.aux_loss is not None:
-            loss = loss + self.aux_coef * out.aux_loss
-            self.log_metric("aux_loss", out.aux_loss.item())
+        loss = self.add_aux_loss(loss, out.aux_loss)
         entropy = self.accelerator.reduce(torch.stack([(out.entropy * mask).sum(), mask.sum().float()]), "sum")
         self.log_metric("entropy", (entropy[0] / entropy[1].clamp(min=1.0)).item())
         low_clip = gather(((ratio < low) & (advantages < 0)).float())
@@ -164,7 +164,7 @@ class RLOOTrainer(OnlineTrainer):
         rewards = torch.empty(order.numel(), device=order.device)
         rewards[order] = gather(inputs.rewards)
         kl = torch.empty_like(rewards)
-        kl[order] = gather(self._sequence_kl(policy_tok, inputs.ref_logps, inputs.completion_mask))
+        kl[order] = gather(self._sequence_kl(policy_tok, inputs.ref_logps, inputs.loss_mask))
         advantages = self._advantages(rewards, kl, "train")
-        self._logs["advantages"].extend(advantages.tolist())
+        self.completion_log.add_advantages(advantages)
         return advantages[own]

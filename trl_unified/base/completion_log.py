@@ -1,0 +1,90 @@
+"""`CompletionLog`: the last generation batch's samples (TRL's `trainer._logs`), printed and sent to W&B at logging
+steps when `log_completions` is on."""
+
+from collections import defaultdict, deque
+
+import torch
+from accelerate.utils import gather_object
+
+
+class CompletionLog:
+    """Prompts, completions, rewards per function, advantages, extra columns (from reward functions' `log_extra`) and
+    images of the last `size` completions, gathered from every process.
+
+    `columns` is TRL's `_logs` layout (`trainer._logs` reads it, for callbacks written against TRL):
+    `{"prompt", "completion", "advantages", "images": deque, "rewards", "extra": {name: deque}}`.
+    """
+
+    def __init__(self, size: int):
+        self.columns = {
+            "images": deque(maxlen=size),
+            "prompt": deque(maxlen=size),
+            "completion": deque(maxlen=size),
+            "rewards": defaultdict(lambda: deque(maxlen=size)),
+            "advantages": deque(maxlen=size),
+            "extra": defaultdict(lambda: deque(maxlen=size)),
+        }
+        self._pending_extra: dict[str, list] = defaultdict(list)
+        self._rounds = self._printed = 0
+
+    def log_extra(self, column: str, values: list) -> None:
+        """`log_extra` for reward functions: one value per completion of this process, shown as a column."""
+        self._pending_extra[column].extend(values)
+
+    def add_round(self, prompts, completions, images, rewards_per_func, reward_names, advantages, log_images=True):
+        """Add one generation round. `prompts`/`completions`/`images`: this process's rows (gathered here, so every
+        process must call it); `rewards_per_func` `(N_global, F)` and `advantages` `(N_global,)` are already global."""
+        logs = self.columns
+        logs["prompt"].extend(gather_object(prompts))
+        logs["completion"].extend(gather_object(completions))
+        for i, name in enumerate(reward_names):
+            logs["rewards"][name].extend(rewards_per_func[:, i].tolist())
+        if advantages is not None:
+            self.add_advantages(advantages)
+        # Every process must join each gather: agree on the column names first (a column may be logged on one rank).
+        names = sorted(set(gather_object(list(self._pending_extra))))
+        for name in names:
+            logs["extra"][name].extend(gather_object(self._pending_extra.get(name, [None] * len(prompts))))
+        self._pending_extra.clear()
+        if images is not None and log_images:
+            logs["images"].extend(gather_object(images))
+        self._rounds += 1
+
+    def add_advantages(self, advantages: torch.Tensor) -> None:
+        """Advantages of a round, `(N_global,)`, when they are known only in the loss (RLOO's deferred KL shaping)."""
+        self.columns["advantages"].extend(advantages.tolist())
+
+    def rows(self, combine, unique_prompts: bool = False, limit: int | None = None) -> list[tuple]:
+        """`(prompt, completion, reward, {column: value})` per logged completion; `combine` maps the `(N, F)` rewards
+        per function to `(N,)` (the trainer's weighting)."""
+        logs = self.columns
+        per_func = torch.tensor(list(zip(*logs["rewards"].values())), dtype=torch.float32)  # (N, F)
+        rewards = combine(per_func).tolist() if per_func.numel() else [float("nan")] * len(logs["prompt"])
+        columns = dict(logs["extra"])
+        if logs["advantages"]:
+            columns["advantage"] = logs["advantages"]
+        rows = [
+            (prompt, completion, reward, {k: v[i] for k, v in columns.items() if i < len(v)})
+            for i, (prompt, completion, reward) in enumerate(zip(logs["prompt"], logs["completion"], rewards))
+        ]
+        if unique_prompts:
+            rows = list({str(row[0]): row for row in rows}.values())
+        return rows[: limit or len(rows)]
+
+    def report(self, step: int, combine, args) -> None:
+        """Print the rounds added since the last report (once each), and log them to W&B when it is enabled."""
+        if self._printed >= self._rounds:
+            return
+        self._printed = self._rounds
+        rows = self.rows(combine, args.log_unique_prompts, args.num_completions_to_print)
+        for prompt, completion, reward, extra in rows:
+            values = "".join(f"\n  {k}: {v}" for k, v in extra.items())
+            print(f"[step {step}] reward={reward:.3f}\n  prompt: {prompt}\n  completion: {completion}{values}")
+        if "wandb" in (args.report_to or []):
+            import wandb
+
+            if wandb.run is not None:
+                columns = sorted({k for *_, extra in rows for k in extra})
+                names = ["step", "prompt", "completion", "reward", *columns]
+                data = [[step, str(p), str(c), r, *[e.get(k) for k in columns]] for p, c, r, e in rows]
+                wandb.log({"completions": wandb.Table(columns=names, data=data)})

@@ -1,0 +1,246 @@
+"""Offline preference data, shared by DPO and KTO: TRL's dataset formats, tokenisation, and the typed batches and
+collators (paired chosen/rejected rows; unpaired completion/label rows with KTO's mismatched KL rows).
+
+Data (TRL's formats): standard or conversational rows, with an explicit `prompt` or an implicit one (the common
+start of `chosen` and `rejected`, split off with `trl.extract_prompt`). Paired rows have `chosen`/`rejected`;
+unpaired rows have `completion`/`label` (KTO; paired data is unpaired with `trl.unpair_preference_dataset`).
+Tokenisation follows TRL: the prompt alone (with the generation prompt for conversations) and prompt + completion are
+tokenised, and the completion starts where the two diverge; a standard (text) completion gets the EOS token appended.
+Rows whose prompt alone fills `max_length` are dropped (as TRL), with a warning naming how many; the collator
+truncates each prompt + completion to `max_length`.
+"""
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from datasets import Dataset
+from trl import extract_prompt, is_conversational, unpair_preference_dataset
+
+from .batch import TensorBatch
+from .data import column_names, pad
+
+
+logger = logging.getLogger(__name__)
+
+
+def common_prefix_length(ids: list[int], other: list[int]) -> int:
+    length = 0
+    for a, b in zip(ids, other, strict=False):
+        if a != b:
+            break
+        length += 1
+    return length
+
+
+def tokenize(processing_class, value, **template_kwargs) -> list[int]:
+    """Token ids of a text (tokenizer call) or a conversation (chat template)."""
+    if isinstance(value, list):
+        return list(
+            processing_class.apply_chat_template(value, tokenize=True, return_dict=True, **template_kwargs)[
+                "input_ids"
+            ]
+        )
+    return list(processing_class(text=value)["input_ids"])
+
+
+def split_completions(row: dict, processing_class, keys: tuple[str, ...]) -> dict[str, list[int]]:
+    """`prompt_ids` and one `<key>_ids` per completion key. The completion starts where the tokenised prompt and the
+    tokenised prompt + completion diverge (a chat template may render a prompt alone differently)."""
+    template_kwargs = dict(row.get("chat_template_kwargs") or {})
+    if row.get("tools") is not None:
+        template_kwargs["tools"] = row["tools"]
+    conversational = isinstance(row["prompt"], list)
+    prompt_ids = tokenize(
+        processing_class,
+        row["prompt"],
+        **template_kwargs,
+        **({"add_generation_prompt": True} if conversational else {}),
+    )
+    full = {key: tokenize(processing_class, row["prompt"] + row[key], **template_kwargs) for key in keys}
+    prompt_len = min(common_prefix_length(prompt_ids, ids) for ids in full.values())
+    if prompt_len < len(prompt_ids):
+        logger.warning(
+            "The tokenised prompt is not a prefix of the tokenised prompt + completion (chat template or a token "
+            f"merging across the boundary); the completion starts where they diverge, dropping "
+            f"{processing_class.decode(prompt_ids[prompt_len:])!r} from the prompt, as TRL does."
+        )
+    out = {"prompt_ids": prompt_ids[:prompt_len]}
+    out.update({f"{key}_ids": ids[prompt_len:] for key, ids in full.items()})
+    return out
+
+
+def prepare_preference_dataset(dataset, processing_class, args, name: str, paired: bool, eos_token: str):
+    """TRL's preparation of a preference dataset (see the module docstring). Idempotent: tokenised data is returned
+    as is. `paired=False` unpairs `chosen`/`rejected` rows into `completion`/`label` rows."""
+    if dataset is None or "prompt_ids" in (column_names(dataset) or next(iter(dataset)).keys()):
+        return dataset
+    map_kwargs = {"num_proc": args.dataset_num_proc} if isinstance(dataset, Dataset) else {}
+    first = next(iter(dataset))
+    if "prompt" not in first:
+        dataset = dataset.map(extract_prompt, **map_kwargs)
+    if not paired and "chosen" in first:
+        dataset = unpair_preference_dataset(dataset, **map_kwargs)
+    keys = ("chosen", "rejected") if paired else ("completion",)
+    if not is_conversational(next(iter(dataset))):
+
+        def add_eos(row):
+            return {key: row[key] if row[key].endswith(eos_token) else row[key] + eos_token for key in keys}
+
+        dataset = dataset.map(add_eos, **map_kwargs)
+    dataset = dataset.map(
+        split_completions, fn_kwargs={"processing_class": processing_class, "keys": keys}, **map_kwargs
+    )
+    if args.max_length is not None and getattr(args, "truncation_mode", "keep_start") == "keep_start":
+        before = len(dataset) if isinstance(dataset, Dataset) else None
+        dataset = dataset.filter(lambda row: len(row["prompt_ids"]) < args.max_length, **map_kwargs)
+        if before is not None and len(dataset) < before:
+            if len(dataset) == 0:
+                raise ValueError(
+                    f"Every row of the {name} dataset has a prompt of max_length={args.max_length} tokens or more, "
+                    "so no completion token would remain. Raise max_length or shorten the prompts."
+                )
+            logger.warning(
+                f"{before - len(dataset)} of {before} rows of the {name} dataset were dropped: their prompt alone "
+                f"fills max_length={args.max_length}, leaving no completion token (as TRL does). Raise max_length "
+                "to keep them."
+            )
+    return dataset
+
+
+@dataclass
+class SequenceBatch(TensorBatch):
+    """Prompt + completion rows, right-padded to L positions.
+
+    Fields:
+        input_ids (`(B, L)`): prompt tokens then completion tokens, then padding.
+        attention_mask (`(B, L)`): 1 on prompt and completion tokens.
+        completion_mask (`(B, L)`): 1 on completion tokens only.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.size(0)
+
+
+def pack(
+    prompts, completions, pad_token_id, max_length, truncation_mode="keep_start", pad_to_multiple_of=None
+) -> SequenceBatch:
+    """Prompt + completion rows (token-id lists), truncated to `max_length` and right-padded."""
+    ids = [p + c for p, c in zip(prompts, completions, strict=True)]
+    masks = [[0] * len(p) + [1] * len(c) for p, c in zip(prompts, completions, strict=True)]
+    if max_length is not None:
+        keep = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
+        ids, masks = [row[keep] for row in ids], [row[keep] for row in masks]
+
+    def padded(rows, value):
+        return pad([torch.tensor(r, dtype=torch.long) for r in rows], value, "right", pad_to_multiple_of)
+
+    return SequenceBatch(
+        input_ids=padded(ids, pad_token_id),
+        attention_mask=padded([[1] * len(r) for r in ids], 0),
+        completion_mask=padded(masks, 0),
+    )
+
+
+@dataclass
+class PairedBatch(TensorBatch):
+    """B preference pairs, chosen and rejected stacked for one forward.
+
+    Fields:
+        sequences (`SequenceBatch` of 2B rows): the B chosen rows, then the B rejected rows (same prompts).
+        ref_chosen_logps, ref_rejected_logps (`(B,)` or None): precomputed reference sequence log-probs.
+    """
+
+    sequences: SequenceBatch
+    ref_chosen_logps: torch.Tensor | None = None
+    ref_rejected_logps: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.sequences) // 2
+
+    def select(self, index: torch.Tensor) -> "PairedBatch":
+        rows = torch.cat([index, index + len(self)])  # a pair's chosen and rejected rows stay together
+        return PairedBatch(
+            self.sequences.select(rows),
+            *(None if t is None else t[index] for t in (self.ref_chosen_logps, self.ref_rejected_logps)),
+        )
+
+
+@dataclass
+class UnpairedBatch(TensorBatch):
+    """B labelled completions (KTO).
+
+    Fields:
+        sequences (`SequenceBatch` of B rows): prompt + completion.
+        label (`(B,)` bool): True for a desirable completion.
+        kl_sequences (`SequenceBatch` of B rows, or None): each prompt with a mismatched completion (KTO's KL
+            estimate of the reference point).
+        ref_logps, ref_KL_logps (`(B,)` or None): precomputed reference sequence log-probs of `sequences` and
+            `kl_sequences`.
+    """
+
+    sequences: SequenceBatch
+    label: torch.Tensor
+    kl_sequences: SequenceBatch | None = None
+    ref_logps: torch.Tensor | None = None
+    ref_KL_logps: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+
+def _ref_column(rows: list[dict[str, Any]], name: str) -> torch.Tensor | None:
+    return torch.tensor([row[name] for row in rows], dtype=torch.float32) if name in rows[0] else None
+
+
+@dataclass
+class PairedCollator:
+    """Tokenised paired rows (`prompt_ids`, `chosen_ids`, `rejected_ids`, optional `ref_*_logps`) → `PairedBatch`."""
+
+    pad_token_id: int
+    max_length: int | None = None
+    truncation_mode: str = "keep_start"
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, rows: list[dict[str, Any]]) -> PairedBatch:
+        prompts = [row["prompt_ids"] for row in rows]
+        completions = [row["chosen_ids"] for row in rows] + [row["rejected_ids"] for row in rows]
+        sequences = pack(
+            prompts + prompts,
+            completions,
+            self.pad_token_id,
+            self.max_length,
+            self.truncation_mode,
+            self.pad_to_multiple_of,
+        )
+        return PairedBatch(sequences, _ref_column(rows, "ref_chosen_logps"), _ref_column(rows, "ref_rejected_logps"))
+
+
+@dataclass
+class UnpairedCollator:
+    """Tokenised unpaired rows (`prompt_ids`, `completion_ids`, `label`, optional `KL_completion_ids` and `ref_*`)
+    → `UnpairedBatch`."""
+
+    pad_token_id: int
+    max_length: int | None = None
+    truncation_mode: str = "keep_start"
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, rows: list[dict[str, Any]]) -> UnpairedBatch:
+        options = (self.pad_token_id, self.max_length, self.truncation_mode, self.pad_to_multiple_of)
+        prompts = [row["prompt_ids"] for row in rows]
+        kl = None
+        if "KL_completion_ids" in rows[0]:
+            kl = pack(prompts, [row["KL_completion_ids"] for row in rows], *options)
+        return UnpairedBatch(
+            sequences=pack(prompts, [row["completion_ids"] for row in rows], *options),
+            label=torch.tensor([bool(row["label"]) for row in rows]),
+            kl_sequences=kl,
+            ref_logps=_ref_column(rows, "ref_logps"),
+            ref_KL_logps=_ref_column(rows, "ref_KL_logps"),
+        )

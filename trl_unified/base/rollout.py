@@ -1,0 +1,103 @@
+"""`RolloutBatch`: the typed output of an online rollout, what the loss of every online trainer reads."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .batch import TensorBatch, scalar_field
+
+
+@dataclass
+class RolloutBatch(TensorBatch):
+    """One process's rows of a generation batch: B completions, P prompt and C completion positions.
+
+    Rows of one prompt are contiguous until the buffer shuffles them; `row_index` keeps each row's place in the
+    global (all processes) generation batch.
+
+    Fields:
+        prompt_ids, prompt_mask (`(B, P)`): left-padded prompt tokens and their attention mask.
+        completion_ids (`(B, C)`): right-padded completions, cut after the first EOS (kept).
+        completion_mask (`(B, C)`): 1 on completion tokens up to the EOS; 0 on padding, and on every token of a
+            truncated completion when `mask_truncated_completions` is set.
+        rewards (`(B,)`): the weighted reward of each completion; NaN where no function scored it.
+        row_index (`(B,)`): position of each row in the global generation batch.
+        advantages (`(B,)` or None): None only when the trainer computes them in the loss (`defers_advantages`).
+        old_logps (`(B, C)` or None): per-token log-probs at sampling time; None when the policy is unchanged between
+            generation and every use of the batch (then they equal the loss forward's, detached).
+        ref_logps (`(B, C)` or None): per-token reference log-probs; None without a reference model.
+        is_truncated (`(B,)` bool): the completion hit `max_completion_length` without an EOS.
+        num_loss_tokens (`float`): tokens under `completion_mask` in the whole generation batch, all processes
+            (the normaliser of token-sum losses such as DAPO's).
+        image_inputs (list of B dicts, or None): per-row image tensors (pixel_values, image_grid_thw, ...).
+        prompt_token_inputs (dict of `(B, P)`): per-token prompt inputs besides the ids (e.g. mm_token_type_ids).
+        tool_mask (`(B, C)` or None): 1 on tokens the model sampled, 0 on tool-result tokens of a multi-turn
+            (agent) completion; None when every completion token is the model's.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    rewards: torch.Tensor
+    row_index: torch.Tensor
+    is_truncated: torch.Tensor
+    advantages: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+    num_loss_tokens: float = scalar_field(0.0)
+    image_inputs: list[dict[str, torch.Tensor]] | None = None
+    prompt_token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    tool_mask: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.prompt_ids.size(0)
+
+    @classmethod
+    def from_generation(cls, out, mask_truncated_completions: bool = False) -> "RolloutBatch":
+        """The batch of a `GenerationOutput`, before scoring (`rewards` / `row_index` are filled in by the rollout).
+        With `mask_truncated_completions`, a completion that hit the length limit without EOS is masked out whole."""
+        completion_mask = out.completion_mask
+        if mask_truncated_completions:
+            completion_mask = completion_mask * (~out.is_truncated).unsqueeze(1).long()
+        return cls(
+            prompt_ids=out.prompt_ids,
+            prompt_mask=out.prompt_mask,
+            completion_ids=out.completion_ids,
+            completion_mask=completion_mask,
+            rewards=torch.empty(0),
+            row_index=torch.empty(0),
+            is_truncated=out.is_truncated,
+            image_inputs=out.image_inputs,
+            prompt_token_inputs=dict(out.prompt_token_inputs or {}),
+            tool_mask=out.tool_mask,
+        )
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """`(B, C)`: the tokens the loss, the KL and the entropy are taken over: the model's own completion tokens
+        (`completion_mask * tool_mask`); the forward still attends to tool-result tokens (`completion_mask`)."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
+
+    def shuffled(self) -> "RolloutBatch":
+        return self.select(torch.randperm(len(self)))
+
+    def split(self, num_chunks: int) -> list["RolloutBatch"]:
+        """`num_chunks` equal, contiguous micro-batches."""
+        if len(self) % num_chunks:
+            raise ValueError(f"Cannot split a batch of {len(self)} rows into {num_chunks} equal micro-batches.")
+        step = len(self) // num_chunks
+        return [self.select(torch.arange(i * step, (i + 1) * step)) for i in range(num_chunks)]
+
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """`(input_ids (B, P+C), attention_mask (B, P+C), extra model inputs)` for a forward over prompt +
+        completion; the extra inputs carry the rows' images, with per-token prompt inputs zero-extended."""
+        input_ids = torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+        attention_mask = torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+        extra = {}
+        if self.image_inputs:
+            device = input_ids.device
+            extra = {k: torch.cat([row[k] for row in self.image_inputs]).to(device) for k in self.image_inputs[0]}
+        width = self.completion_ids.size(1)
+        for key, value in self.prompt_token_inputs.items():
+            extra[key] = torch.cat([value, value.new_zeros(value.size(0), width)], dim=1)
+        return input_ids, attention_mask, extra

@@ -1,0 +1,123 @@
+"""Supervised next-token data with the loss on the completion only (TRL's SFT conventions): tokenising rows of any
+format (prompt/completion, messages, text; standard or conversational), truncation, and the typed `SFTBatch` with
+its collator (text rows padded; vision-language rows through the processor)."""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from trl import prepare_multimodal_messages
+
+from .batch import TensorBatch, scalar_field
+from .data import get_images, is_conversational_prompt, pad, split_prompt_completion, tokenize_prompt_completion
+from .models import get_tokenizer
+
+
+def tokenize_sft_row(row: dict[str, Any], index: int, processing_class, args) -> dict[str, list[int]]:
+    """`input_ids` and `completion_mask` (1 on tokens that carry the loss) of one text row, truncated."""
+    prompt, completion = split_prompt_completion(row, args.dataset_text_field)
+    if args.assistant_only_loss and row.get("messages"):
+        tokenizer = get_tokenizer(processing_class)
+        out = tokenizer.apply_chat_template(
+            row["messages"],
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            **(args.chat_template_kwargs or {}),
+        )
+        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        if not any(mask):
+            raise ValueError(
+                "assistant_only_loss=True but the chat template marks no assistant tokens: it needs "
+                "{% generation %} ... {% endgeneration %} around assistant turns."
+            )
+    else:
+        prompt_ids, completion_ids = tokenize_prompt_completion(
+            processing_class, prompt, completion, args.chat_template_kwargs, args.eos_token
+        )
+        only_completion = args.completion_only_loss is not False and bool(prompt_ids)
+        ids = prompt_ids + completion_ids
+        mask = [0 if only_completion else 1] * len(prompt_ids) + [1] * len(completion_ids)
+    if args.max_length is not None and len(ids) > args.max_length:
+        keep = slice(None, args.max_length) if args.truncation_mode == "keep_start" else slice(-args.max_length, None)
+        ids, mask = ids[keep], mask[keep]
+    if sum(mask[1:]) == 0:
+        raise ValueError(
+            f"Row {index} has no judgment tokens left to learn from (all labels masked) after truncation to "
+            f"max_length={args.max_length} with truncation_mode={args.truncation_mode!r}. Increase max_length, "
+            "shorten the prompt, or remove the row."
+        )
+    return {"input_ids": ids, "completion_mask": mask}
+
+
+@dataclass
+class SFTBatch(TensorBatch):
+    """Rows for next-token training with the loss on the completion only, right-padded to L positions.
+
+    Fields:
+        input_ids (`(B, L)`), attention_mask (`(B, L)`): the tokens and their mask.
+        labels (`(B, L)`): the token ids where the loss applies, -100 elsewhere (prompt, padding).
+        visual_inputs (`dict[str, Tensor]`): the processor's image tensors for the batch (e.g. `pixel_values` laid out
+            per image patch, `image_grid_thw` per image); empty for text rows. Passed to the model as they are.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+    visual_inputs: dict[str, torch.Tensor] = scalar_field(default_factory=dict)
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """Keyword arguments of the model's forward (everything but the labels)."""
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **self.visual_inputs}
+
+
+class SFTCollator:
+    """Right-pads tokenised rows (labels -100 off the completion); vision-language rows go through the processor."""
+
+    def __init__(self, processing_class, args):
+        self.processing_class, self.args = processing_class, args
+        self.tokenizer = get_tokenizer(processing_class)
+
+    def __call__(self, rows: list[dict[str, Any]]) -> SFTBatch:
+        if "input_ids" in rows[0]:
+            ids = [torch.tensor(r["input_ids"]) for r in rows]
+            masks = [torch.tensor(r["completion_mask"]) for r in rows]
+            input_ids = pad(ids, self.tokenizer.pad_token_id, "right", self.args.pad_to_multiple_of)
+            attention_mask = pad([torch.ones_like(t) for t in ids], 0, "right", self.args.pad_to_multiple_of)
+            loss_mask = pad(masks, 0, "right", self.args.pad_to_multiple_of)
+            return SFTBatch(input_ids, attention_mask, input_ids.masked_fill(loss_mask == 0, -100))
+        return self._collate_multimodal(rows)
+
+    def _collate_multimodal(self, rows):
+        kwargs = self.args.chat_template_kwargs or {}
+        full_texts, prompt_texts, images = [], [], []
+        for row in rows:
+            prompt, completion = split_prompt_completion(row, self.args.dataset_text_field)
+            if not is_conversational_prompt(prompt):
+                raise ValueError("Rows with images need conversational prompts (lists of messages).")
+            row_images = get_images(row) or []
+            prompt = prepare_multimodal_messages(prompt, images=row_images)
+            completion = prepare_multimodal_messages(completion, images=[])
+            prompt_texts.append(
+                self.processing_class.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **kwargs)
+            )
+            full_texts.append(self.processing_class.apply_chat_template(prompt + completion, tokenize=False, **kwargs))
+            if not full_texts[-1].startswith(prompt_texts[-1]):
+                raise ValueError("The chat template's generation prompt is not a prefix of the assistant turn.")
+            images.append(row_images)
+        batch = self.processing_class(
+            text=full_texts, images=images, padding=True, padding_side="right", return_tensors="pt"
+        )
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        for i, (text, row_images) in enumerate(zip(prompt_texts, images, strict=True)):
+            prompt_len = self.processing_class(text=[text], images=[row_images], return_tensors="pt")[
+                "input_ids"
+            ].size(1)
+            labels[i, :prompt_len] = -100
+        if self.args.max_length is not None and batch["input_ids"].size(1) > self.args.max_length:
+            raise ValueError(
+                f"A vision-language row has {batch['input_ids'].size(1)} tokens, more than max_length="
+                f"{self.args.max_length}; image tokens cannot be truncated. Increase max_length."
+            )
+        visual = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
+        return SFTBatch(batch["input_ids"], batch["attention_mask"], labels, visual)
