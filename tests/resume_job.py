@@ -14,8 +14,17 @@ torch.set_num_threads(1)
 from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from trl_unified import DPOConfig, DPOTrainer, GRMConfig, GRMTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
-from trl_unified.testing import build_causal_lm, build_tokenizer  # noqa: E402
+from trl_unified import (  # noqa: E402
+    DPOConfig,
+    DPOTrainer,
+    GRMConfig,
+    GRMTrainer,
+    PPOConfig,
+    PPOTrainer,
+    RLOOConfig,
+    RLOOTrainer,
+)
+from trl_unified.testing import build_causal_lm, build_sequence_classifier, build_tokenizer  # noqa: E402
 
 
 kind, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -70,6 +79,25 @@ elif kind.startswith("dpo"):  # dpo: reference copy; dpo_precompute: precomputed
     args = DPOConfig(per_device_train_batch_size=4, precompute_ref_log_probs=kind == "dpo_precompute", **common)
     trainer = DPOTrainer(
         model, args=args, train_dataset=Dataset.from_dict(pairs), processing_class=tokenizer, callbacks=callbacks
+    )
+elif kind == "ppo":  # two optimiser steps per rollout: checkpoint-3 falls inside the second rollout
+    prompts = ["a b c", "d e", "f g h i", "j k", "l", "m n o", "p q", "r s t u"]
+    args = PPOConfig(
+        per_device_train_batch_size=4,
+        num_ppo_epochs=2,
+        response_length=6,
+        stop_token="eos",
+        num_sample_generations=0,
+        **common,
+    )
+    trainer = PPOTrainer(
+        args,
+        tokenizer,
+        model,
+        reward_model=build_sequence_classifier(tokenizer, seed=2),
+        train_dataset=Dataset.from_dict({"prompt": prompts * 2}),
+        value_model=build_sequence_classifier(tokenizer, seed=1),
+        callbacks=callbacks,
     )
 else:
     prompts = ["a b c", "d e", "f g h i", "j k", "l", "m n o", "p q", "r s t u"]

@@ -28,7 +28,7 @@ def run(kind, out, mode):
     )
 
 
-@pytest.mark.parametrize("kind", ["rloo", "rloo_mu2", "grm", "dpo", "dpo_precompute"])
+@pytest.mark.parametrize("kind", ["rloo", "rloo_mu2", "grm", "dpo", "dpo_precompute", "ppo"])
 def test_resume_after_sigkill_matches_uninterrupted_run(kind, tmp_path):
     full = run(kind, tmp_path / "full", "full")
     assert full.returncode == 0, full.stderr[-3000:]

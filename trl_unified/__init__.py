@@ -22,6 +22,7 @@ from .trainers.dpo import DPOConfig, DPOTrainer
 from .trainers.grm import GRMConfig, GRMTrainer
 from .trainers.grpo import GRPOConfig, GRPOTrainer
 from .trainers.kto import KTOConfig, KTOTrainer
+from .trainers.ppo import PPOConfig, PPOTrainer
 from .trainers.rloo import RLOOConfig, RLOOTrainer, rloo_advantages
 
 
@@ -40,6 +41,8 @@ __all__ = [
     "OnlineConfig",
     "OnlineTrainer",
     "PAPERS",
+    "PPOConfig",
+    "PPOTrainer",
     "PolicyConfig",
     "PairedBatch",
     "PairedCollator",

@@ -372,10 +372,12 @@ def test_environments_by_name_route_rows_and_own_rewards(tool_tokenizer, tmp_pat
     ],
 )
 def test_environment_input_errors(kwargs, pattern, tool_tokenizer, tmp_path):
+    """Each raises before anything is generated: at construction, or (an unknown `environment` value, as TRL's
+    own test expects) when train() starts."""
     data = kwargs.pop("data")
     config = {"max_steps": kwargs.pop("max_steps", 1)}
     with pytest.raises(ValueError, match=pattern):
-        GRPOTrainer(
+        trainer = GRPOTrainer(
             build_causal_lm(tool_tokenizer, "qwen2"),
             record_rewards([]),
             args=agent_args(tmp_path, **config),
@@ -383,3 +385,5 @@ def test_environment_input_errors(kwargs, pattern, tool_tokenizer, tmp_path):
             processing_class=tool_tokenizer,
             **kwargs,
         )
+        trainer.model.generate = None  # nothing may be generated before the error
+        trainer.train()

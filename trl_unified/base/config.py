@@ -30,6 +30,13 @@ def document_fields(cls):
     return cls
 
 
+def option(default=None, help: str = "", default_factory=None):
+    """A config field with its help text (the one source of its documentation, see `document_fields`)."""
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 def _has_accelerator() -> bool:
     import torch
 

@@ -11,7 +11,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase, ProcessorMix
 
 from .data import is_conversational_prompt, pad
 from .models import get_tokenizer
-from .prefix import cache_kwarg, encode_prefix, group_prompts
+from .prefix import PrefixSharingUnsupported, cache_kwarg, encode_prefix, group_prompts, report_fallback
 
 
 @dataclass
@@ -68,7 +68,7 @@ class GenerationOutput:
         prompts left-padded, completions right-padded and kept whole (a completion ends where its list ends); a
         completion is truncated when its last token is neither an EOS nor the pad token (TRL's rule)."""
         tokenizer = get_tokenizer(processing_class)
-        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         prompts = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]
         completions = [torch.tensor(ids, dtype=torch.long) for ids in completion_ids]
         ends = {*eos_token_ids, pad_token_id}
@@ -109,7 +109,7 @@ def build_generation_config(
         "do_sample": do_sample,
         "pad_token_id": tokenizer.pad_token_id,
         "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": eos_token_ids,
+        "eos_token_id": list(eos_token_ids) or None,  # none: generate max_new_tokens tokens
         "cache_implementation": args.cache_implementation,
         "repetition_penalty": args.repetition_penalty,
     }
@@ -358,14 +358,18 @@ def _generate_chunk(model, chunk: dict[str, Any], generation_config, shared_pref
     ) > 1
     if shared_prefix and set(chunk) == {"input_ids", "attention_mask"} and cache_implementation is None:
         groups = None if expands_rows else group_prompts(chunk["input_ids"], chunk["attention_mask"])
-    if groups is None:
-        return model.generate(**chunk, generation_config=generation_config)
-    ids, mask = chunk["input_ids"], chunk["attention_mask"]
-    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as GenerationMixin derives them
-    cache = encode_prefix(model, ids, mask, ids.size(1) - 1, groups, position_ids=positions)
-    return model.generate(
-        input_ids=ids, attention_mask=mask, generation_config=generation_config, **{cache_kwarg(model): cache}
-    )
+    if groups is not None:
+        ids, mask = chunk["input_ids"], chunk["attention_mask"]
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as GenerationMixin derives them
+        try:
+            cache = encode_prefix(model, ids, mask, ids.size(1) - 1, groups, position_ids=positions)
+        except PrefixSharingUnsupported as e:
+            report_fallback("generation", str(e))
+        else:
+            return model.generate(
+                input_ids=ids, attention_mask=mask, generation_config=generation_config, **{cache_kwarg(model): cache}
+            )
+    return model.generate(**chunk, generation_config=generation_config)
 
 
 def cut_after_eos(completion_ids: torch.Tensor, eos_token_ids: Sequence[int], pad_token_id: int):
@@ -373,7 +377,8 @@ def cut_after_eos(completion_ids: torch.Tensor, eos_token_ids: Sequence[int], pa
 
     Returns `(completion_ids, completion_mask, is_truncated)`; shapes `(N, C)`, `(N, C)`, `(N,)`.
     """
-    is_eos = torch.isin(completion_ids, torch.tensor(list(eos_token_ids), device=completion_ids.device))
+    stops = torch.tensor(list(eos_token_ids), dtype=completion_ids.dtype, device=completion_ids.device)
+    is_eos = torch.isin(completion_ids, stops)
     has_eos = is_eos.any(dim=1)
     first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), completion_ids.size(1))  # (N,)
     positions = torch.arange(completion_ids.size(1), device=completion_ids.device).expand_as(completion_ids)
@@ -453,7 +458,7 @@ def generate_batched(
     eos_token_ids = (
         list(eos_token_ids) if eos_token_ids is not None else get_eos_token_ids(unwrapped_for_config, tokenizer)
     )
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     encoded = _encode_prompts(processing_class, prompts, images, chat_template_kwargs or {})
     empty = [i for i, e in enumerate(encoded) if torch.as_tensor(e["input_ids"]).numel() == 0]
     if empty:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .prefix import cache_kwarg, encode_prefix, group_prompts
+from .prefix import PrefixSharingUnsupported, cache_kwarg, encode_prefix, group_prompts, report_fallback
 
 
 # Rows per log-softmax chunk are chosen so one chunk's float32 logits stay under this many elements.
@@ -126,22 +126,26 @@ def compute_token_logprobs(
         groups = None
         if shared_prefix:
             groups = group_prompts(input_ids[rows, :prompt_length], attention_mask[rows, :prompt_length])
-        if groups is None:
+        outputs = None
+        if groups is not None:  # the prompt but its last token once per group; the rest per row, on the cache
+            try:
+                cache = encode_prefix(model, input_ids[rows], attention_mask[rows], prompt_length - 1, groups)
+                outputs = model(
+                    input_ids=input_ids[rows, prompt_length - 1 :],
+                    attention_mask=attention_mask[rows],
+                    use_cache=True,
+                    logits_to_keep=logits_to_keep + 1,
+                    **kwargs,
+                    **{cache_kwarg(model): cache},
+                )
+            except PrefixSharingUnsupported as e:
+                report_fallback("log-prob forward", str(e))
+        if outputs is None:
             outputs = model(
                 input_ids=input_ids[rows],
                 attention_mask=attention_mask[rows],
                 logits_to_keep=logits_to_keep + 1,
                 **kwargs,
-            )
-        else:  # the prompt but its last token once per group; that token and the completion per row, on the cache
-            cache = encode_prefix(model, input_ids[rows], attention_mask[rows], prompt_length - 1, groups)
-            outputs = model(
-                input_ids=input_ids[rows, prompt_length - 1 :],
-                attention_mask=attention_mask[rows],
-                use_cache=True,
-                logits_to_keep=logits_to_keep + 1,
-                **kwargs,
-                **{cache_kwarg(model): cache},
             )
         logits = outputs.logits[:, -(logits_to_keep + 1) : -1, :]  # (b, C, V): position t predicts token t + 1
         if temperature != 1.0:

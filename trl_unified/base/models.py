@@ -193,6 +193,30 @@ def apply_peft(model, peft_config, args):
     return model, False
 
 
+def check_liger_kernel(model, args) -> None:
+    """`use_liger_kernel=True` (transformers patches the model's layers with Liger kernels): liger-kernel must be
+    installed, and Liger's fused LM-head loss reads `lm_head.weight` directly, so a PEFT adapter on the LM head would
+    never be trained (TRL's rule; without Liger, trl_unified trains LM-head adapters through the model's forward)."""
+    if not getattr(args, "use_liger_kernel", False):
+        return
+    if is_peft_model(model):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        if isinstance(model.get_output_embeddings(), BaseTunerLayer):
+            raise ValueError(
+                "Applying a PEFT adapter to `lm_head` is not supported with use_liger_kernel=True: Liger's fused loss "
+                "computes the log-probabilities from `lm_head.weight` directly, so the adapter would never be "
+                "trained. Remove `'lm_head'` from your `target_modules` (or use `modules_to_save=['lm_head']`)."
+            )
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ImportError(
+            "use_liger_kernel=True needs the liger-kernel package: `pip install liger-kernel`, or set "
+            "use_liger_kernel=False."
+        )
+
+
 def prepare_peft_checkpointing(model, args) -> None:
     """With PEFT and gradient checkpointing, the frozen embeddings must still pass gradients to checkpointed blocks."""
     if is_peft_model(model) and args.gradient_checkpointing:

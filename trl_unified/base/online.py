@@ -18,7 +18,7 @@ import time
 from typing import Any, NamedTuple
 
 import torch
-from accelerate.utils import gather, set_seed
+from accelerate.utils import gather, gather_object, set_seed
 from datasets import Dataset, IterableDataset
 from trl import is_conversational, prepare_multimodal_messages
 
@@ -32,14 +32,23 @@ from .agents import (
     prepare_tool_template,
 )
 from .completion_log import CompletionLog
+from .critic import (
+    attach_value_model,
+    check_value_vocabulary,
+    load_value_model,
+    position_ids_from_mask,
+    save_value_model,
+    without_value_model,
+)
 from .data import RepeatedIterable, RepeatSampler, dataset_columns, get_images, require_columns
 from .generation import GenerationOutput, max_positions, prompt_lengths
-from .models import cast_lm_head_to_fp32, get_tokenizer
+from .models import cast_lm_head_to_fp32, get_tokenizer, load_model_plain
 from .online_config import OnlineConfig
 from .prefix import report_fallback, unsupported_reason
 from .reference import prepare_frozen_model
 from .rewards import EventLoopThread, RewardFunctions, is_async_callable, nanstd
 from .rollout import RolloutBatch
+from .schedules import EveryNStepsScheduler
 from .trainer import PolicyTrainerBase
 
 
@@ -120,7 +129,7 @@ class OnlineTrainer(PolicyTrainerBase):
             self.rewards.funcs[i] = prepare_frozen_model(reward_model.requires_grad_(False), self.accelerator)
         self._check_prompt_lengths()
         self._check_shared_prefix_support()
-        self._step, self._buffer, self._step_time = 0, None, 0.0
+        self._step, self._buffer, self._rollout, self._step_time = 0, None, None, 0.0
         self.completion_log = CompletionLog(self.args.generation_batch_size)
         # Each process samples different completions, reproducibly (the samplers have their own seeded generator).
         set_seed(self.args.seed, device_specific=True)
@@ -139,6 +148,57 @@ class OnlineTrainer(PolicyTrainerBase):
         self.chat_template = prepare_tool_template(self.processing_class) if self.tools else None
         self.max_tool_calling_iterations = self.args.max_tool_calling_iterations
         self._event_loop = EventLoopThread() if any(is_async_callable(t) for t in self.tools) else None
+
+    # ------------------------------------------------------------------ a learned critic (PPO), see base/critic.py
+    value_head = None  # the attached value model, when the algorithm learns one
+    _entropy_bonus_enabled = False  # TRL's attribute: entropies keep their gradient when an entropy bonus is on
+
+    def attach_critic(self, value_model) -> None:
+        """Attach a value model (a sequence classifier on the policy's vocabulary) as a trained submodule of the
+        policy; saving keeps it out of the published policy and checkpoints keep it for an exact resume."""
+        if isinstance(value_model, str):
+            value_model = load_model_plain(value_model, what="value model", num_labels=1)
+        check_value_vocabulary(self.model, value_model)
+        self.value_model = value_model.to(self.args.device)
+        self.value_head = attach_value_model(self.model, self.value_model)
+
+    def token_values(self, batch: RolloutBatch, grad: bool, chunk: int | None = None) -> torch.Tensor:
+        """The critic's values `(B, C)` of the states before each completion token (`chunk` rows per forward)."""
+        input_ids, attention_mask, _ = batch.model_inputs()
+        positions = position_ids_from_mask(attention_mask)
+        width, chunk = batch.completion_ids.size(1), chunk or input_ids.size(0)
+        parts = []
+        with torch.set_grad_enabled(grad), self.accelerator.autocast():
+            for i in range(0, input_ids.size(0), chunk):
+                rows = slice(i, i + chunk)
+                parts.append(self.value_head(input_ids[rows], attention_mask[rows], positions[rows], width))
+        return torch.cat(parts)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """The policy (a critic is not part of the published model; with `args.save_value_model` it is saved too, in
+        `<output_dir>/value_model`)."""
+        with without_value_model(self.accelerator.unwrap_model(self.model)):
+            super().save_model(output_dir, _internal_call)
+        if getattr(self.args, "save_value_model", False) and not _internal_call and self.is_world_process_zero():
+            self.value_model.save_pretrained(os.path.join(output_dir or self.args.output_dir, "value_model"))
+
+    def optimizer_steps_per_rollout(self) -> int:
+        """How many optimiser steps share one learning rate: 1 (the Trainer's schedule); PPO: one rollout's steps."""
+        return 1
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        every = self.optimizer_steps_per_rollout()
+        if every == 1 or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        super().create_scheduler(max(1, num_training_steps // every), optimizer)
+        self.lr_scheduler = EveryNStepsScheduler(self.lr_scheduler, every)
+        return self.lr_scheduler
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        with without_value_model(self.accelerator.unwrap_model(self.model)):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if self.value_head is not None:
+            load_value_model(self.value_head, resume_from_checkpoint)
 
     # ------------------------------------------------------------------ TRL's attributes
     @property
@@ -210,6 +270,20 @@ class OnlineTrainer(PolicyTrainerBase):
         """True when advantages need the loss forward's log-probs (the rollout then leaves them None)."""
         return False
 
+    def reshuffles_each_iteration(self) -> bool:
+        """Whether each of the `num_iterations` passes over a rollout draws a new order of micro-batches (PPO's
+        epochs over shuffled mini-batches) rather than reusing the first pass's."""
+        return False
+
+    def assign_advantages(self, rewards, rewards_per_func, batch: RolloutBatch, mode: str) -> torch.Tensor | None:
+        """Set `batch.advantages` (this process's rows). By default from `compute_advantages` over the global
+        generation batch; returns the global advantages for the completion log (None if there is no such row view).
+        A trainer whose advantages are per token and local (PPO's GAE) overrides this."""
+        advantages = self.compute_advantages(rewards, rewards_per_func, batch, mode)
+        n, rank = len(batch), self.accelerator.process_index
+        batch.advantages = advantages[rank * n : (rank + 1) * n]
+        return advantages
+
     def compute_advantages(
         self, rewards: torch.Tensor, rewards_per_func: torch.Tensor, batch: RolloutBatch, mode: str
     ) -> torch.Tensor:
@@ -273,6 +347,66 @@ class OnlineTrainer(PolicyTrainerBase):
             if reason is not None:
                 raise ValueError(f"shared_prefix=True, but {reason}. Use shared_prefix=None (auto) or False.")
 
+    # ------------------------------------------------------------------ TRL's loss helpers (public on its trainers)
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's helper: tokens whose entropy is at least the `threshold` quantile (`1 - top_entropy_quantile`) of all
+        processes' unmasked token entropies (Beyond the 80/20 Rule, arXiv:2506.01939). `(B, C)` bool."""
+        local = entropies[mask.bool()].float()
+        padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=-1e9)  # entropies are >= 0
+        values = self.accelerator.gather(padded)
+        values = values[values != -1e9]
+        if values.numel() == 0:
+            return torch.zeros_like(entropies, dtype=torch.bool)
+        return ((entropies * mask.float()) >= torch.quantile(values, threshold)) & mask.bool()
+
+    @staticmethod
+    def get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
+        """TRL's helper, DeepSeek-V3.2's off-policy sequence mask `(B, 1)`: drop (0) a sequence with A < 0 whose mean
+        KL(π_old ‖ π_θ) = mean_t (log π_old - log π_θ) over its tokens exceeds the threshold; keep (1) the rest."""
+        kl = torch.nan_to_num(sampling_per_token_logps - per_token_logps.detach(), nan=0.0)
+        mean_kl = (kl * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
+        return ((advantages >= 0) | (mean_kl <= off_policy_threshold)).to(mask.dtype)
+
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
+    ):
+        """TRL's extension point for subclasses: `(per-token log-probs, entropies or None, MoE aux loss or None)` of
+        the last `logits_to_keep` tokens (entropies keep their gradient when the entropy bonus is on)."""
+        aux = kwargs.pop("compute_aux_loss", False)
+        out = self.token_logprobs(
+            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, compute_entropy=compute_entropy,
+            entropy_requires_grad=self._entropy_bonus_enabled, output_router_logits=aux,
+            **{k: v for k, v in kwargs.items() if v is not None},
+        )  # fmt: skip
+        return out.logps, out.entropy, out.aux_loss
+
+    def masked_global_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
+        """Mean over all processes: token-weighted under `mask` for `(B, C)`, per sequence for `(B, 1)`."""
+        if x.size(1) == 1:
+            total, count = x.sum(), x.new_tensor(float(x.size(0)))
+        else:
+            total, count = (x * mask).sum(), mask.sum().float()
+        stats = self.accelerator.reduce(torch.stack([total, count]), reduction="sum")
+        return (stats[0] / stats[1].clamp(min=1.0)).item()
+
+    def log_clip_ratios(self, ratio, advantages, mask, low: float, high: float) -> None:
+        """TRL's `clip_ratio/*`: how often the ratio (per token `(B, C)`, or per sequence `(B, 1)`) was clipped
+        below (ratio < low with A < 0) and above (ratio > high with A > 0), as global means, and the extreme
+        per-sequence fractions over all processes."""
+        advantages = advantages.view(ratio.size(0), -1)
+        low_clip = ((ratio < low) & (advantages < 0)).float()
+        high_clip = ((ratio > high) & (advantages > 0)).float()
+        per_sequence = (
+            (lambda x: x.squeeze(1)) if ratio.size(1) == 1 else (lambda x: (x * mask).sum(-1) / mask.sum(-1))
+        )
+        self.log_metric("clip_ratio/low_mean", self.masked_global_mean(low_clip, mask))
+        self.log_metric("clip_ratio/high_mean", self.masked_global_mean(high_clip, mask))
+        self.log_metric("clip_ratio/region_mean", self.masked_global_mean(((low_clip + high_clip) > 0).float(), mask))
+        for name, values, reduce in (("low_min", low_clip, torch.min), ("high_max", high_clip, torch.max)):
+            gathered = gather(per_sequence(values))
+            gathered = gathered[~torch.isnan(gathered)]
+            self.log_metric(f"clip_ratio/{name}", reduce(gathered).item() if gathered.numel() else float("nan"))
+
     # ------------------------------------------------------------------ datasets
     def prepare_dataset(self, dataset, name):
         dataset = super().prepare_dataset(dataset, name)
@@ -280,7 +414,6 @@ class OnlineTrainer(PolicyTrainerBase):
             return self._environment_owned_dataset() if name == "train" else None
         if self._environment_factory is None or "prompt" in dataset_columns(dataset):
             require_columns(dataset, [["prompt"]], f"{name} dataset", type(self).__name__)
-        self._check_environment_column(dataset, name)
         if isinstance(dataset, Dataset) and "prompt" in dataset.column_names:
             _check_prompts(dataset, name)
             need = self.args.generation_batch_size // self.args.num_generations
@@ -292,6 +425,10 @@ class OnlineTrainer(PolicyTrainerBase):
                     "lower per_device_train_batch_size / steps_per_generation."
                 )
         return dataset
+
+    def train(self, *args, **kwargs):
+        self._check_environment_column(self.train_dataset, "train")  # before the first rollout (TRL: in it)
+        return super().train(*args, **kwargs)
 
     def _check_environment_column(self, dataset, name: str) -> None:
         """With a dict of environment factories, every row's `environment` must name one of them."""
@@ -424,7 +561,10 @@ class OnlineTrainer(PolicyTrainerBase):
             return self.rollout(inputs)
         steps = self.args.steps_per_generation
         if self._step % (steps * self.args.num_iterations) == 0 or self._buffer is None:
-            self._buffer = self.rollout(inputs).shuffled().split(steps)
+            self._rollout = self.rollout(inputs)
+            self._buffer = self._rollout.shuffled().split(steps)
+        elif self._step % steps == 0 and self.reshuffles_each_iteration():
+            self._buffer = self._rollout.shuffled().split(steps)  # a new order of micro-batches for this pass
         micro_batch = self._buffer[self._step % steps]
         self._step += 1
         return micro_batch
@@ -442,8 +582,10 @@ class OnlineTrainer(PolicyTrainerBase):
         super()._save_checkpoint(model, trial)
         # The generation buffer and micro-step counter, so a resume continues mid-round exactly.
         folder = os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}")
-        state = {"step": self._step, "buffer": self._buffer}
+        state = {"step": self._step, "buffer": self._buffer, "rollout": self._rollout}
         torch.save(state, os.path.join(folder, f"trl_unified_state_{self.accelerator.process_index}.pt"))
+        if self.value_head is not None and self.is_world_process_zero():
+            save_value_model(self.value_head, folder)
 
     def _load_rng_state(self, checkpoint):
         super()._load_rng_state(checkpoint)
@@ -452,7 +594,7 @@ class OnlineTrainer(PolicyTrainerBase):
         )
         if path and os.path.exists(path):
             state = torch.load(path, weights_only=False)
-            self._step, self._buffer = state["step"], state["buffer"]
+            self._step, self._buffer, self._rollout = state["step"], state["buffer"], state.get("rollout")
 
     # ------------------------------------------------------------------ the rollout
     def rollout(self, rows: list[dict[str, Any]]) -> RolloutBatch:
@@ -468,17 +610,15 @@ class OnlineTrainer(PolicyTrainerBase):
         rows = [
             {**row, **{k: _row_value(v, i) for k, v in sampled.extra_fields.items()}} for i, row in enumerate(rows)
         ]
-        rewards_per_func = self._score(rows, prompts, sampled.completions, out.completion_ids_list)
+        rewards_per_func = self._score(rows, prompts, sampled.completions, out)
         rewards = self.rewards.combine(rewards_per_func)  # (N_global,)
         n, rank = len(rows), self.accelerator.process_index
         local = slice(rank * n, (rank + 1) * n)
         batch.rewards, batch.row_index = rewards[local], torch.arange(rank * n, (rank + 1) * n, device=rewards.device)
         self._log_reward_metrics(rewards_per_func, rewards)
         advantages = (
-            None if self.defers_advantages() else self.compute_advantages(rewards, rewards_per_func, batch, mode)
+            None if self.defers_advantages() else self.assign_advantages(rewards, rewards_per_func, batch, mode)
         )
-        if advantages is not None:
-            batch.advantages = advantages[local]
         self.completion_log.add_round(
             prompts,
             sampled.completions,
@@ -631,20 +771,26 @@ class OnlineTrainer(PolicyTrainerBase):
             if self.reference.available:
                 batch.ref_logps = self.reference_logprobs(input_ids, attention_mask, width, batch_size=chunk, **extra)
 
-    def _score(self, rows, prompts, completions, completion_ids) -> torch.Tensor:
-        """`(N_global, num_funcs)` rewards gathered from every process; failures name the step and the batch."""
+    def _score(self, rows, prompts, completions, out: GenerationOutput) -> torch.Tensor:
+        """`(N_global, num_funcs)` rewards gathered from every process; failures name the step and the batch.
+        Reward functions get TRL's arguments, plus `prompt_ids` (the prompt tokens of each row, for scorers that
+        read token ids); prompts given as token ids reach them decoded."""
         extra = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(out.prompt_ids, out.prompt_mask, strict=True)]
+        if prompts and isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], int):
+            prompts = get_tokenizer(self.processing_class).batch_decode(prompts, skip_special_tokens=True)
         try:
             local = self.rewards(
                 prompts,
                 completions,
-                completion_ids,
+                out.completion_ids_list,
                 extra,
                 self.accelerator.device,
                 self.args.chat_template_kwargs,
                 trainer_state=self.state,
                 log_metric=self.log_metric,
                 log_extra=self.completion_log.log_extra,
+                prompt_ids=prompt_ids,
                 **({"environments": self._env.instances} if self._env is not None else {}),
             )
         except (RuntimeError, ValueError, TypeError) as e:
@@ -668,6 +814,29 @@ class OnlineTrainer(PolicyTrainerBase):
                 f"completion {completions[0]!r}). strict_rewards=True requires at least one score per batch."
             )
         return rewards_per_func
+
+    def generate_completions(self, sampling: bool = False) -> list[dict]:
+        """TRL's sample generations: near-greedy completions (temperature 0.01) for the eval prompts (only the first
+        `per_device_eval_batch_size` rows when `sampling`) with their combined reward; the first rows are printed on
+        the main process; every row is returned as `{"query", "model response", "score"}`."""
+        if self.eval_dataset is None or isinstance(self.eval_dataset, dict):
+            return []
+        rows = list(self.eval_dataset)
+        rows = rows[: self.args.per_device_eval_batch_size] if sampling else rows
+        rows = rows[self.accelerator.process_index :: self.accelerator.num_processes]
+        prompts, _ = self._rollout_prompts(rows)
+        temperature, self.args.temperature = self.args.temperature, 0.01
+        try:
+            out = self.generate(prompts)
+        finally:
+            self.args.temperature = temperature
+        scores = self.rewards.combine(self._score(rows, prompts, out.texts, out)).tolist()
+        pairs = zip(gather_object(prompts), gather_object(out.texts), scores, strict=True)
+        table = [{"query": query, "model response": text, "score": score} for query, text, score in pairs]
+        if self.accelerator.is_main_process:
+            for row in table[:5]:
+                print(row)
+        return table
 
     # ------------------------------------------------------------------ metrics
     def _log_generation_metrics(self, mode, out, sampled):

@@ -26,8 +26,17 @@ class OnlineConfig(PolicyConfig):
     """Fields shared by `trl.RLOOConfig` and `trl.GRPOConfig` 1.16, same names and defaults, validated once."""
 
     _unimplemented_fields = {"use_vllm": _VLLM}
+    # Completions per prompt the algorithm needs at least (a group baseline needs 2; a learned critic needs 1).
+    _min_num_generations: ClassVar[int] = 2
     # Fields that only matter with vLLM generation: set without it, TRL ignores them, and so do we (with a warning).
-    _vllm_only_fields: ClassVar[tuple[str, ...]] = _VLLM_FIELDS[1:]
+    _vllm_only_fields: ClassVar[tuple[str, ...]] = (
+        *_VLLM_FIELDS[1:],
+        "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_mode",
+        "vllm_importance_sampling_clip_max",
+        "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_cap",
+    )
 
     learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
     remove_unused_columns: bool | None = field(
@@ -136,6 +145,21 @@ class OnlineConfig(PolicyConfig):
             "turn has no tool call or max_completion_length is spent."
         },
     )
+    vllm_importance_sampling_correction: bool = field(
+        default=True, metadata={"help": "vLLM importance-sampling correction (vLLM only: ignored)."}
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="sequence_mask", metadata={"help": "vLLM importance-sampling mode (vLLM only: ignored)."}
+    )
+    vllm_importance_sampling_clip_max: float | None = field(
+        default=3.0, metadata={"help": "vLLM importance-sampling C_max (vLLM only: ignored)."}
+    )
+    vllm_importance_sampling_clip_min: float | None = field(
+        default=None, metadata={"help": "vLLM importance-sampling C_min (vLLM only: ignored)."}
+    )
+    vllm_importance_sampling_cap: float | None = field(
+        default=None, metadata={"help": "Deprecated vLLM importance-sampling cap (vLLM only: ignored)."}
+    )
     shared_prefix: bool | None = field(
         default=None,
         metadata={
@@ -206,7 +230,7 @@ class OnlineConfig(PolicyConfig):
             )
         else:
             self.steps_per_generation = self.generation_batch_size // (per_device * world)
-        if self.num_generations is None or self.num_generations < 2:
+        if self.num_generations is None or self.num_generations < self._min_num_generations:
             raise ValueError(
                 f"num_generations={self.num_generations}, but a group baseline needs at least 2 completions per "
                 "prompt. Set num_generations >= 2."

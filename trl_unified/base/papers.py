@@ -52,4 +52,14 @@ PAPERS: dict[str, dict[str, str]] = {
     eprint       = {arXiv:2402.01306},
 }""",
     },
+    "ppo": {
+        "title": "Fine-Tuning Language Models from Human Preferences",
+        "id": "1909.08593",
+        "citation": """@article{mziegler2019fine-tuning,
+    title        = {{Fine-Tuning Language Models from Human Preferences}},
+    author       = {Daniel M. Ziegler and Nisan Stiennon and Jeffrey Wu and Tom B. Brown and Alec Radford and Dario Amodei and Paul F. Christiano and Geoffrey Irving},
+    year         = 2019,
+    eprint       = {arXiv:1909.08593}
+}""",
+    },
 }

@@ -16,6 +16,12 @@ from transformers import Cache
 
 logger = logging.getLogger(__name__)
 _reported: set[tuple[str, str]] = set()
+_unsupported: dict[type, str] = {}  # model classes whose cache turned out not to expand by row, and why
+
+
+class PrefixSharingUnsupported(Exception):
+    """The model's cache cannot be expanded from one row per prompt to one row per completion (e.g. the recurrent
+    state of a hybrid Mamba / linear-attention model); callers fall back to the plain path."""
 
 
 def group_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -74,8 +80,18 @@ def encode_prefix(model, input_ids, attention_mask, length: int, groups, positio
         **kwargs,
     )
     cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
-    cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...)
+    try:
+        cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...)
+    except (AttributeError, NotImplementedError, TypeError) as e:
+        reason = f"its cache ({type(cache).__name__}) cannot be expanded by row ({e})"
+        _unsupported[type(_base_model(model))] = reason
+        raise PrefixSharingUnsupported(reason) from e
     return cache
+
+
+def _base_model(model):
+    base = model.module if hasattr(model, "module") else model
+    return base.get_base_model() if hasattr(base, "get_base_model") else base
 
 
 def cache_kwarg(model) -> str:
@@ -97,6 +113,8 @@ def unsupported_reason(model, extra_inputs: dict | None = None) -> str | None:
     if extra_inputs:
         return f"rows carry extra inputs ({', '.join(sorted(extra_inputs))}), e.g. images"
     base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+    if type(base) in _unsupported:
+        return _unsupported[type(base)]
     supports_dynamic_cache = getattr(type(base), "_supports_default_dynamic_cache", None)
     if supports_dynamic_cache is None or not supports_dynamic_cache():
         return f"{type(base).__name__} does not use a dynamic KV cache"

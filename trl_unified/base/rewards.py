@@ -233,3 +233,51 @@ class RewardFunctions:
         None stays NaN ("unscorable"). `(N, F)` -> `(N,)`."""
         weighted = (rewards_per_func * self.weights.to(rewards_per_func.device)).nansum(dim=1)
         return weighted.masked_fill(torch.isnan(rewards_per_func).all(dim=1), math.nan)
+
+
+class TokenIdsRewardModel:
+    """A sequence-classification reward model that reads the policy's own token ids (TRL's PPO `reward_model`): the
+    score is its `score` head on the backbone's last hidden state at each row's last completion token (the last
+    prompt token for an empty completion), with left padding skipped in the positions. No text round trip: the
+    model sees exactly the sampled ids, EOS included.
+
+    Args:
+        model (`PreTrainedModel`): an `AutoModelForSequenceClassification` with one label, on the policy's vocabulary.
+        pad_token_id (`int`): the policy tokenizer's pad token (fills the batch; masked).
+    """
+
+    def __init__(self, model, pad_token_id: int):
+        self.model, self.pad_token_id = model, pad_token_id
+        self.__name__ = _name_of(model)
+
+    @classmethod
+    def build(cls, model, policy, processing_class, accelerator) -> "TokenIdsRewardModel":
+        """From a model or its id/path, frozen and placed like the reference; its vocabulary must be the policy's."""
+        from .critic import check_value_vocabulary
+        from .reference import prepare_frozen_model
+
+        if isinstance(model, str):
+            model = from_pretrained_checked(AutoModelForSequenceClassification, model, "reward model", num_labels=1)
+        check_value_vocabulary(policy, model)
+        pad_token_id = getattr(processing_class, "tokenizer", processing_class).pad_token_id
+        return cls(prepare_frozen_model(model.requires_grad_(False), accelerator), pad_token_id)
+
+    @torch.no_grad()
+    def __call__(self, prompts, completions, completion_ids, prompt_ids, **kwargs) -> list[float]:
+        from .critic import position_ids_from_mask
+        from .data import pad
+
+        device = next(self.model.parameters()).device
+        rows = [torch.tensor(p + c, dtype=torch.long) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+        input_ids = pad(rows, self.pad_token_id, "right").to(device)
+        attention_mask = pad([torch.ones_like(r) for r in rows], 0, "right").to(device)
+        model = self.model.module if hasattr(self.model, "module") else self.model
+        backbone = getattr(model, model.base_model_prefix)
+        hidden = backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        ).last_hidden_state
+        last = (attention_mask.sum(1) - 1).clamp(min=0)  # (B,): last completion token (last prompt token if empty)
+        return model.score(hidden[torch.arange(hidden.size(0), device=device), last]).squeeze(-1).float().tolist()

@@ -21,7 +21,8 @@ class RolloutBatch(TensorBatch):
             truncated completion when `mask_truncated_completions` is set.
         rewards (`(B,)`): the weighted reward of each completion; NaN where no function scored it.
         row_index (`(B,)`): position of each row in the global generation batch.
-        advantages (`(B,)` or None): None only when the trainer computes them in the loss (`defers_advantages`).
+        advantages (`(B,)`, `(B, C)` per token, or None): None only when the trainer computes them in the loss
+            (`defers_advantages`).
         old_logps (`(B, C)` or None): per-token log-probs at sampling time; None when the policy is unchanged between
             generation and every use of the batch (then they equal the loss forward's, detached).
         ref_logps (`(B, C)` or None): per-token reference log-probs; None without a reference model.
@@ -32,6 +33,8 @@ class RolloutBatch(TensorBatch):
         prompt_token_inputs (dict of `(B, P)`): per-token prompt inputs besides the ids (e.g. mm_token_type_ids).
         tool_mask (`(B, C)` or None): 1 on tokens the model sampled, 0 on tool-result tokens of a multi-turn
             (agent) completion; None when every completion token is the model's.
+        values, returns (`(B, C)` or None): a critic's per-token values at sampling time and the return targets
+            (PPO); None for critic-free algorithms.
     """
 
     prompt_ids: torch.Tensor
@@ -48,6 +51,8 @@ class RolloutBatch(TensorBatch):
     image_inputs: list[dict[str, torch.Tensor]] | None = None
     prompt_token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     tool_mask: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.prompt_ids.size(0)

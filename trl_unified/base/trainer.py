@@ -29,6 +29,7 @@ from .logprobs import TokenLogprobs, compute_token_logprobs
 from .model_card import write_model_card
 from .models import (
     apply_peft,
+    check_liger_kernel,
     default_output_dir,
     disable_dropout,
     get_tokenizer,
@@ -101,6 +102,7 @@ class PolicyTrainerBase(Trainer):
         processing_class = load_processing_class(processing_class, model, args)
         self._sync_special_tokens(model, processing_class)
         model, adapter_is_pretrained = apply_peft(model, peft_config, args)
+        check_liger_kernel(model, args)
         prepare_peft_checkpointing(model, args)
         if args.disable_dropout:
             disable_dropout(model)
@@ -137,13 +139,14 @@ class PolicyTrainerBase(Trainer):
         if data_collator is None:
             self.data_collator = self.make_data_collator() or self.data_collator
         self.aux_loss_enabled, self.router_aux_loss_coef = moe_aux_loss_setup(self.model, self.args)
+        # One seed everywhere: accelerate derives the shared shuffling from it (online trainers re-seed per process
+        # in setup()).
+        set_seed(self.args.seed)
         self.setup()
         self.sync_reference_every_steps()
         install_distributed_shutdown()  # see base/shutdown.py: no SIGABRT at exit
         if hasattr(self.model, "add_model_tags"):
             self.model.add_model_tags(self._tag_names)
-        # One seed everywhere: accelerate derives the shared shuffling from it (online trainers re-seed per process).
-        set_seed(self.args.seed)
 
     def _prepare_eval_datasets(self, eval_dataset):
         if isinstance(eval_dataset, dict):

@@ -37,12 +37,12 @@ minus `entropy_coef` times the mean token entropy / GA (adaptive as in Skywork-O
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import gather
 
-from ..base.config import document_fields
+from ..base.config import document_fields, option
 from ..base.online import OnlineTrainer
 from ..base.online_config import OnlineConfig
 from ..base.rewards import nanstd
@@ -62,69 +62,30 @@ class GRPOConfig(OnlineConfig):
         **OnlineConfig._unimplemented_fields,
         "log_completions_hub_repo": "Completion logs go to the console and W&B (`log_completions`).",
     }
-    _vllm_only_fields = (
-        *OnlineConfig._vllm_only_fields,
-        "vllm_importance_sampling_correction",
-        "vllm_importance_sampling_mode",
-        "vllm_importance_sampling_clip_max",
-        "vllm_importance_sampling_clip_min",
-        "vllm_importance_sampling_cap",
-    )
 
-    num_generations: int | None = field(default=8, metadata={"help": "Completions sampled per prompt (G >= 2)."})
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient β. If 0.0, no reference model is loaded."})
-    delta: float | None = field(
-        default=None, metadata={"help": "Upper cap of the ratio (two-sided clipping). None: off."}
-    )
-    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "SAPO gate temperature for A <= 0."})
-    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "SAPO gate temperature for A > 0."})
-    vespo_k_pos: float = field(default=2.0, metadata={"help": "VESPO power exponent k for A >= 0."})
-    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "VESPO decay λ for A >= 0."})
-    vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO power exponent k for A < 0."})
-    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "VESPO decay λ for A < 0."})
-    importance_sampling_level: str = field(
-        default="token", metadata={"help": "Ratio per 'token' or per 'sequence' (GSPO)."}
-    )
-    multi_objective_aggregation: str = field(
-        default="sum_then_normalize", metadata={"help": "'sum_then_normalize' or 'normalize_then_sum' (GDPO)."}
-    )
-    scale_rewards: str = field(
-        default="group", metadata={"help": "Divide advantages by the 'group', 'batch' or 'none' std."}
-    )
-    loss_type: str = field(
-        default="dapo", metadata={"help": f"One of {', '.join(LOSS_TYPES)} (see the module docstring)."}
-    )
-    top_entropy_quantile: float = field(
-        default=1.0, metadata={"help": "Keep the top-ρ quantile of tokens by entropy."}
-    )
-    entropy_coef: float = field(default=0.0, metadata={"help": "Weight of the mean-token-entropy bonus. 0.0: off."})
-    use_adaptive_entropy: bool = field(default=False, metadata={"help": "Adapt entropy_coef each step (Skywork-OR1)."})
-    entropy_coef_min: float = field(default=0.0, metadata={"help": "Lower bound of the adaptive entropy_coef."})
-    entropy_coef_max: float = field(default=1.0, metadata={"help": "Upper bound of the adaptive entropy_coef."})
-    entropy_coef_delta: float = field(default=0.005, metadata={"help": "Step of the adaptive entropy_coef."})
-    entropy_target: float = field(
-        default=0.2, metadata={"help": "Entropy (nats) at or below which the bonus applies."}
-    )
-    vllm_importance_sampling_correction: bool = field(
-        default=True, metadata={"help": "vLLM IS correction (vLLM only)."}
-    )
-    vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata={"help": "vLLM IS mode (vLLM only)."})
-    vllm_importance_sampling_clip_max: float | None = field(
-        default=3.0, metadata={"help": "vLLM IS C_max (vLLM only: ignored)."}
-    )
-    vllm_importance_sampling_clip_min: float | None = field(
-        default=None, metadata={"help": "vLLM IS C_min (vLLM only)."}
-    )
-    off_policy_mask_threshold: float | None = field(
-        default=None, metadata={"help": "Drop sequences with A < 0 and mean KL(π_old‖π_θ) above this. None: off."}
-    )
-    use_bias_correction_kl: bool = field(default=True, metadata={"help": "Multiply the KL term by the ratio w."})
-    log_completions_hub_repo: str | None = field(
-        default=None, metadata={"help": "Hub repo for completions (not implemented)."}
-    )
-    vllm_importance_sampling_cap: float | None = field(
-        default=None, metadata={"help": "Deprecated vLLM IS cap (vLLM only)."}
-    )
+    num_generations: int | None = option(8, "Completions sampled per prompt (G >= 2).")
+    beta: float = option(0.0, "KL coefficient β. If 0.0, no reference model is loaded.")
+    delta: float | None = option(None, "Upper cap of the ratio (two-sided clipping). None: off.")
+    sapo_temperature_neg: float = option(1.05, "SAPO gate temperature for A <= 0.")
+    sapo_temperature_pos: float = option(1.0, "SAPO gate temperature for A > 0.")
+    vespo_k_pos: float = option(2.0, "VESPO power exponent k for A >= 0.")
+    vespo_lambda_pos: float = option(3.0, "VESPO decay λ for A >= 0.")
+    vespo_k_neg: float = option(3.0, "VESPO power exponent k for A < 0.")
+    vespo_lambda_neg: float = option(2.0, "VESPO decay λ for A < 0.")
+    importance_sampling_level: str = option("token", "Ratio per 'token' or per 'sequence' (GSPO).")
+    multi_objective_aggregation: str = option("sum_then_normalize", "'sum_then_normalize' or 'normalize_then_sum'.")
+    scale_rewards: str = option("group", "Divide advantages by the 'group', 'batch' or 'none' std.")
+    loss_type: str = option("dapo", f"One of {', '.join(LOSS_TYPES)} (see the module docstring).")
+    top_entropy_quantile: float = option(1.0, "Keep the top-ρ quantile of tokens by entropy.")
+    entropy_coef: float = option(0.0, "Weight of the mean-token-entropy bonus. 0.0: off.")
+    use_adaptive_entropy: bool = option(False, "Adapt entropy_coef each step (Skywork-OR1).")
+    entropy_coef_min: float = option(0.0, "Lower bound of the adaptive entropy_coef.")
+    entropy_coef_max: float = option(1.0, "Upper bound of the adaptive entropy_coef.")
+    entropy_coef_delta: float = option(0.005, "Step of the adaptive entropy_coef.")
+    entropy_target: float = option(0.2, "Entropy (nats) at or below which the bonus applies.")
+    off_policy_mask_threshold: float | None = option(None, "Drop sequences with A < 0 and mean KL above this.")
+    use_bias_correction_kl: bool = option(True, "Multiply the KL term by the ratio w.")
+    log_completions_hub_repo: str | None = option(None, "Hub repo for completions (not implemented).")
 
     def __post_init__(self):
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
@@ -153,6 +114,14 @@ class GRPOTrainer(OnlineTrainer):
         a = self.args
         if a.loss_type == "luspo" and a.importance_sampling_level != "sequence":
             logger.warning("When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'`.")
+        if a.importance_sampling_level == "sequence" and a.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            logger.warning(
+                f"When using `importance_sampling_level='sequence'`, the `'{a.loss_type}'` loss sums per-token "
+                "contributions, which effectively weights each sequence by its completion length instead of "
+                "optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set `loss_type='grpo'`."
+            )
+        # Whether the entropy bonus is on (TRL's attribute): entropies then keep their gradient.
+        self._entropy_bonus_enabled = a.entropy_coef != 0.0 or a.use_adaptive_entropy
         self.entropy_coef, self._last_world_entropy, self._entropy_window = a.entropy_coef, math.inf, None
 
     def compute_advantages(self, rewards, rewards_per_func, batch: RolloutBatch, mode: str) -> torch.Tensor:
@@ -188,12 +157,14 @@ class GRPOTrainer(OnlineTrainer):
             attention_mask,
             mask.size(1),
             compute_entropy=True,
-            entropy_requires_grad=a.entropy_coef != 0.0 or a.use_adaptive_entropy,
+            entropy_requires_grad=self._entropy_bonus_enabled,
             output_router_logits=self.aux_loss_enabled,
             **extra,
         )
         logps, entropies = out.logps, out.entropy
-        entropy_mask = self._high_entropy_mask(entropies, mask) if a.top_entropy_quantile < 1.0 else None
+        entropy_mask = None
+        if a.top_entropy_quantile < 1.0:
+            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - a.top_entropy_quantile)
         advantages = inputs.advantages.unsqueeze(1)  # (B, 1)
         old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
         log_ratio = logps - old
@@ -216,9 +187,8 @@ class GRPOTrainer(OnlineTrainer):
             ratio = torch.clamp(ratio, max=a.delta) if a.delta is not None else ratio  # two-sided: cap w itself
             per_token_loss = -torch.min(ratio * advantages, clipped * advantages)
         if a.off_policy_mask_threshold is not None:
-            seq_kl = ((old - logps.detach()) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
-            per_token_loss = per_token_loss * ((advantages >= 0) | (seq_kl <= a.off_policy_mask_threshold)).to(
-                mask.dtype
+            per_token_loss = per_token_loss * self.get_off_policy_mask(
+                advantages, logps, old, mask, a.off_policy_mask_threshold
             )
         if entropy_mask is not None:
             per_token_loss = per_token_loss * entropy_mask
@@ -257,17 +227,6 @@ class GRPOTrainer(OnlineTrainer):
             normaliser = normaliser * accumulation / self.args.steps_per_generation
         return masked_loss.sum() / normaliser
 
-    def _high_entropy_mask(self, entropies, mask):
-        """Tokens whose entropy is at least the (1 - top_entropy_quantile) quantile over all processes' tokens."""
-        local = entropies[mask.bool()].float()
-        padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=-1e9)  # entropies are >= 0
-        values = gather(padded)
-        values = values[values != -1e9]
-        if values.numel() == 0:
-            return torch.zeros_like(mask, dtype=torch.bool)
-        threshold = torch.quantile(values, 1 - self.args.top_entropy_quantile)
-        return ((entropies * mask.float()) >= threshold) & mask.bool()
-
     def _entropy_bonus(self, loss, entropies, mask, accumulation, mode):
         """loss - coef * mean token entropy / GA; the adaptive coef moves by entropy_coef_delta per optimiser step."""
         a = self.args
@@ -290,37 +249,16 @@ class GRPOTrainer(OnlineTrainer):
         return loss
 
     def _log_loss_metrics(self, ratio, advantages, entropies, mask, per_token_kl, low, high, phi):
-        def global_mean(x):  # token-weighted over (B, C), or per sequence for (B, 1)
-            s, n = (
-                (x.sum(), x.new_tensor(float(x.size(0)))) if x.size(1) == 1 else ((x * mask).sum(), mask.sum().float())
-            )
-            total = self.accelerator.reduce(torch.stack([s, n]), reduction="sum")
-            return (total[0] / total[1].clamp(min=1.0)).item()
-
-        def per_sequence(x):
-            return x.squeeze(1) if x.size(1) == 1 else (x * mask).sum(-1) / mask.sum(-1)
-
         if per_token_kl is not None:
-            self.log_metric("kl", global_mean(per_token_kl))
-        self.log_metric("entropy", global_mean(entropies))
-        loss_type = self.args.loss_type
-        if loss_type == "cispo":
-            self.log_metric("cispo_clip_ratio", global_mean(((ratio > high - 1) & (advantages > 0)).float()))
-        elif loss_type == "vespo":
-            self.log_metric("vespo/phi_seq_mean", global_mean(phi))
-        elif loss_type != "sapo":
-            low_clip = ((ratio < low) & (advantages < 0)).float()
-            high_clip = ((ratio > high) & (advantages > 0)).float()
-            self.log_metric("clip_ratio/low_mean", global_mean(low_clip))
-            self.log_metric("clip_ratio/high_mean", global_mean(high_clip))
-            self.log_metric("clip_ratio/region_mean", global_mean(((low_clip + high_clip) > 0).float()))
-            self.log_metric("clip_ratio/low_min", _nan_extreme(gather(per_sequence(low_clip)), torch.min))
-            self.log_metric("clip_ratio/high_max", _nan_extreme(gather(per_sequence(high_clip)), torch.max))
-
-
-def _nan_extreme(x, reduce) -> float:
-    x = x[~torch.isnan(x)]
-    return reduce(x).item() if x.numel() else math.nan
+            self.log_metric("kl", self.masked_global_mean(per_token_kl, mask))
+        self.log_metric("entropy", self.masked_global_mean(entropies, mask))
+        if self.args.loss_type == "cispo":
+            clipped = ((ratio > high - 1) & (advantages > 0)).float()
+            self.log_metric("cispo_clip_ratio", self.masked_global_mean(clipped, mask))
+        elif self.args.loss_type == "vespo":
+            self.log_metric("vespo/phi_seq_mean", self.masked_global_mean(phi, mask))
+        elif self.args.loss_type != "sapo":
+            self.log_clip_ratios(ratio, advantages, mask, low, high)
 
 
 @torch.no_grad()

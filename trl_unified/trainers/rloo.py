@@ -146,14 +146,8 @@ class RLOOTrainer(OnlineTrainer):
         low, high = 1 - self.args.epsilon, 1 + (self.args.epsilon_high or self.args.epsilon)
         loss = -torch.min(ratio * advantages, ratio.clamp(low, high) * advantages).mean()
         loss = self.add_aux_loss(loss, out.aux_loss)
-        entropy = self.accelerator.reduce(torch.stack([(out.entropy * mask).sum(), mask.sum().float()]), "sum")
-        self.log_metric("entropy", (entropy[0] / entropy[1].clamp(min=1.0)).item())
-        low_clip = gather(((ratio < low) & (advantages < 0)).float())
-        high_clip = gather(((ratio > high) & (advantages > 0)).float())
-        region = (low_clip + high_clip).clamp(max=1)
-        stats = {"low_mean": low_clip.mean(), "low_min": low_clip.min(), "high_mean": high_clip.mean()}
-        for name, value in {**stats, "high_max": high_clip.max(), "region_mean": region.mean()}.items():
-            self.log_metric(f"clip_ratio/{name}", value.item())
+        self.log_metric("entropy", self.masked_global_mean(out.entropy, mask))
+        self.log_clip_ratios(ratio.unsqueeze(1), advantages, mask, low, high)
         return loss
 
     def _deferred_advantages(self, inputs: RolloutBatch, policy_tok: torch.Tensor) -> torch.Tensor:
