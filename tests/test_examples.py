@@ -136,3 +136,15 @@ def test_preference_example_real_run_from_command_line(llama_path, tmp_path):
     )  # fmt: skip
     assert "held-out reward margin" in result.stdout
     assert (out / "adapter_model.safetensors").exists() and not (out / "model.safetensors").exists()
+
+
+def test_ppo_demo_learns_and_saves_the_policy_only(tmp_path):
+    out = tmp_path / "ppo"
+    result = run_example("ppo.py", ["--output_dir", str(out)], tmp_path)
+    words = result.stdout.split("score at start:")[1].split()  # "<start> score at end: <end> ..."
+    start, end = float(words[0]), float(words[4])
+    assert end > start + 0.3, result.stdout  # the demo's fraction of "a" rises
+    for name in ("model.safetensors", "tokenizer.json", "README.md", "reward_curve.png"):
+        assert (out / name).exists(), name
+    assert not (out / "value_model").exists()
+    assert "PPOTrainer" in (out / "README.md").read_text() and "1909.08593" in (out / "README.md").read_text()

@@ -172,7 +172,9 @@ def test_4bit_layers_keep_their_gradient_after_generation_on_every_cpu(llama_pat
         peft_config=LoraConfig(**LORA),
     )
     layer = next(m for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear4bit))
-    assert layer.support_avx512bf16_for_cpu is False
+    # The behaviour, on any CPU: the repacked inference layout never engages (bitsandbytes sets the flag to False
+    # or 0 depending on the CPU; it is only falsy), and the gradient flows after a generation-style forward.
+    assert not layer.support_avx512bf16_for_cpu
     layer.eval()
     with torch.no_grad():  # what generation does
         layer(torch.randn(2, layer.in_features))
@@ -180,3 +182,4 @@ def test_4bit_layers_keep_their_gradient_after_generation_on_every_cpu(llama_pat
     x = torch.randn(2, layer.in_features, requires_grad=True)
     layer(x).sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
+    assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False)

@@ -21,10 +21,12 @@ from trl_unified import (  # noqa: E402
     GRPOTrainer,
     KTOConfig,
     KTOTrainer,
+    PPOConfig,
+    PPOTrainer,
     RLOOConfig,
     RLOOTrainer,
 )
-from trl_unified.testing import build_causal_lm, build_tokenizer  # noqa: E402
+from trl_unified.testing import build_causal_lm, build_sequence_classifier, build_tokenizer  # noqa: E402
 
 
 kind, out, layout = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -77,6 +79,18 @@ if kind in ("rloo", "grpo"):
         train_dataset=Dataset.from_dict({"prompt": ["a b c", "d e"]}),
         processing_class=tokenizer,
     )
+elif kind == "ppo":  # whitening is per process (as TRL's): 2 processes are checked for their sync, not equality
+    LlamaForCausalLM.generate = fake_generate
+    ppo = {k: v for k, v in common.items() if k not in ("max_steps", "lr_scheduler_type")}
+    args = PPOConfig(num_ppo_epochs=2, response_length=5, total_episodes=16, num_sample_generations=0, **ppo)
+    trainer = PPOTrainer(
+        args,
+        tokenizer,
+        model,
+        train_dataset=Dataset.from_dict({"prompt": ["a b c", "d e", "f g h i", "j k", "l", "m n o", "p q", "r s"]}),
+        value_model=build_sequence_classifier(tokenizer, seed=1),
+        reward_funcs=lambda completion_ids, **kw: [(ids[0] % 5) / 5 for ids in completion_ids],
+    )
 elif kind in ("dpo", "kto"):
     pairs = {
         "prompt": ["a b c", "d e", "f g h i", "j k", "l", "m n o", "p q", "r s t u"],
@@ -109,6 +123,12 @@ else:
     )
     trainer = GRMTrainer(model, args=GRMConfig(**common), train_dataset=data, processing_class=tokenizer)
 trainer.train()
+params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+rank = trainer.accelerator.process_index
+logs = trainer.state.log_history
+torch.save(
+    {"params": params, "processes": trainer.accelerator.num_processes, "logs": logs},
+    f"{out}/{kind}-{layout}-rank{rank}.pt",
+)
 if trainer.accelerator.is_main_process:
-    params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
     torch.save({"params": params, "processes": trainer.accelerator.num_processes}, f"{out}/{kind}-{layout}.pt")

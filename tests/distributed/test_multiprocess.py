@@ -82,3 +82,27 @@ def test_ddp_two_processes_equal_one_process_and_accumulation(kind, tmp_path):
         torch.testing.assert_close(runs["ga"]["params"][name], p, rtol=1e-5, atol=1e-5, msg=name)
         moved += not torch.equal(p, dict(initial.named_parameters())[name].detach())
     assert moved > 0
+
+
+@pytest.mark.distributed
+def test_ppo_two_processes_keep_policy_and_critic_in_sync(tmp_path):
+    """PPO on 2 processes: the attached value model is trained through the same DDP wrapper as the policy, so both
+    ranks end with identical policy and critic parameters; the rollout metrics are gathered."""
+    launch([os.path.join(ROOT, "tests", "distributed", "run_equivalence.py"), "ppo", str(tmp_path), "ddp"])
+    import torch
+
+    ranks = [torch.load(tmp_path / f"ppo-ddp-rank{r}.pt") for r in (0, 1)]
+    assert ranks[0]["processes"] == 2
+    assert any(name.startswith("value_model.") for name in ranks[0]["params"])
+    initial = dict(
+        __import__("trl_unified.testing", fromlist=["x"])
+        .build_sequence_classifier(__import__("trl_unified.testing", fromlist=["x"]).build_tokenizer(), seed=1)
+        .named_parameters()
+    )
+    moved = 0
+    for name, value in ranks[0]["params"].items():
+        torch.testing.assert_close(ranks[1]["params"][name], value, rtol=0, atol=0, msg=name)
+        if name.startswith("value_model.model."):
+            moved += not torch.equal(value, initial[name[len("value_model.model.") :]].detach())
+    assert moved > 0  # the critic was trained, in step on both ranks
+    assert [log["episode"] for log in ranks[0]["logs"] if "episode" in log] == [8, 16]  # 2 processes x 4 rows

@@ -158,7 +158,7 @@ def test_loss_is_clipped_policy_plus_weighted_clipped_value_loss(tok, tmp_path):
     logps = trainer.token_logprobs(trainer.model, input_ids, attention_mask, mask.size(1)).logps
     ratio = torch.exp((logps - rows.old_logps) * mask)
     pg = torch.max(-rows.advantages * ratio, -rows.advantages * ratio.clamp(0.9, 1.1))
-    values = trainer.token_values(rows, grad=False) * v_mask
+    values = trainer.token_values(rows) * v_mask
     clipped = values.clamp(rows.values - 0.05, rows.values + 0.05)
     vf = 0.5 * ((torch.max((values - rows.returns) ** 2, (clipped - rows.returns) ** 2) * v_mask).sum() / v_mask.sum())
     expected = (pg * mask).sum() / mask.sum() + 0.5 * vf

@@ -1,5 +1,6 @@
 """Answer extraction and matching for generative evaluation accuracy, and an `evaluate` metric built on it."""
 
+import math
 import re
 from collections.abc import Callable
 
@@ -79,10 +80,60 @@ def extract_answer(text: str, extractor: str | Callable[[str], str | None] = "ta
     return normalize_answer(ANSWER_EXTRACTORS[extractor](text))
 
 
-def answers_match(predicted: str | None, reference: str | None) -> bool:
-    """True when both answers parse and are equal after normalisation. An unparseable answer is never correct."""
-    predicted, reference = normalize_answer(predicted), normalize_answer(reference)
-    return predicted is not None and reference is not None and predicted == reference
+def _as_number(answer: str | None) -> float | None:
+    """The number an answer spells (`"2"`, `"2.0"`, `"-3.5"`, `"1,000"`, `"1e3"`), or None."""
+    if answer is None:
+        return None
+    text = answer.replace(",", "") if re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?", answer) else answer
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def reference_answers(value, where: str = "reference answer") -> list[str] | None:
+    """A reference answer as the normalised strings it accepts: a string (or a number, as a pandas column with
+    a missing value turns integers into floats) is one answer; a list or tuple lists aliases, any of which is
+    correct; None (or an empty list) means the row has no reference. Anything else raises a `TypeError` naming
+    `where`."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"{where} is a bool ({value!r}): give the answer as a string or a number.")
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None  # NaN: a missing value in a pandas column
+        return [normalize_answer(repr(value) if isinstance(value, float) else str(value))]
+    if isinstance(value, str):
+        answer = normalize_answer(value)
+        return [answer] if answer is not None else None
+    if isinstance(value, (list, tuple)):
+        answers = [a for item in value for a in (reference_answers(item, where) or [])]
+        return answers or None
+    raise TypeError(
+        f"{where} is a {type(value).__name__} ({str(value)[:60]!r}); a reference answer is a string, a number, or "
+        "a list of accepted answers."
+    )
+
+
+def answers_match(predicted: str | None, reference) -> bool:
+    """True when the predicted answer equals the reference after normalisation, or numerically when both parse as
+    numbers (`"2"` matches `2.0`). `reference` may be a string, a number or a list of accepted answers (any of
+    them). An unparseable prediction, or a missing reference, is never correct."""
+    predicted = normalize_answer(predicted)
+    accepted = reference if isinstance(reference, list) else reference_answers(reference)
+    if predicted is None or not accepted:
+        return False
+    number = _as_number(predicted)
+    for answer in accepted:
+        answer = normalize_answer(answer)
+        if answer == predicted:
+            return True
+        expected = _as_number(answer)
+        if number is not None and expected is not None and math.isclose(number, expected, rel_tol=1e-9, abs_tol=1e-12):
+            return True
+    return False
 
 
 def _build_answer_accuracy():

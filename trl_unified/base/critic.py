@@ -121,6 +121,31 @@ class ValueHead(nn.Module):
             )
         self.model = model
 
+    def forward_alongside(self, policy: nn.Module) -> None:
+        """Install the hook that runs the critic inside the policy's forward when requested (`request_values`): under
+        DDP a trained module must run inside the wrapper's forward, or its gradients are reduced out of step."""
+        self._pending = None
+        self.values = None
+
+        def hook(module, args, kwargs, output):
+            if self._pending is not None and kwargs.get("input_ids") is not None:
+                width, self._pending = self._pending, None
+                ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+                positions = kwargs.get("position_ids")
+                self.values = self(ids, mask, position_ids_from_mask(mask) if positions is None else positions, width)
+
+        policy.register_forward_hook(hook, with_kwargs=True)
+
+    def request_values(self, logits_to_keep: int) -> None:
+        """The next policy forward also computes the values of its last `logits_to_keep` positions (with grad)."""
+        self._pending, self.values = logits_to_keep, None
+
+    def take_values(self) -> torch.Tensor:
+        values, self.values = self.values, None
+        if values is None:
+            raise RuntimeError("The policy forward did not compute the requested values (no forward ran).")
+        return values
+
     def forward(self, input_ids, attention_mask, position_ids, logits_to_keep: int) -> torch.Tensor:
         """Values `(B, C)` of the states before each of the last `logits_to_keep` tokens."""
         backbone = getattr(self.model, self.model.base_model_prefix)
@@ -138,6 +163,7 @@ def attach_value_model(policy: nn.Module, value_model: nn.Module) -> ValueHead:
     head.requires_grad_(True)
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     base.add_module("value_model", head)
+    head.forward_alongside(base)
     return head
 
 

@@ -28,7 +28,7 @@ print(generator("Hello,", max_new_tokens=32)[0]["generated_text"])
 
 ## Training procedure
 
-Trainer: `{trainer_class}` ({algorithm}). Paper: [{paper_title}](https://huggingface.co/papers/{paper_id}).
+Trainer: `{trainer_class}` ({algorithm}).{paper_sentence}
 
 ## Framework versions
 
@@ -98,8 +98,9 @@ def write_model_card(
             trainer_name=trainer._name,
             trainer_class=type(trainer).__name__,
             algorithm=paper["title"] or trainer._name,
-            paper_title=paper["title"],
-            paper_id=paper["id"],
+            paper_sentence=f" Paper: [{paper['title']}](https://huggingface.co/papers/{paper['id']})."
+            if paper["id"]
+            else "",
             repo_id=trainer.args.hub_model_id or model_name,
             versions=_versions(),
             citation=f"```bibtex\n{paper['citation']}\n```" if paper["citation"] else "",

@@ -82,9 +82,11 @@ def load_model(model_id: str, args, quantization_config=None, what: str = "polic
     """Load a causal LM, seq2seq or vision-language model by id/path with `args.model_init_kwargs`.
 
     The auto class is chosen from the config (encoder-decoder → Seq2SeqLM, `vision_config` → ImageTextToText, else
-    CausalLM). `device_map` is dropped under distributed training, where accelerate places the model.
+    CausalLM). `device_map` is dropped under distributed training, where accelerate places the model. As in TRL,
+    `dtype` defaults to float32 (not the checkpoint's dtype) and accepts "bfloat16", "float16", "float32" or "auto".
     """
     kwargs = dict(args.model_init_kwargs or {})
+    kwargs["dtype"] = parse_dtype(kwargs.get("dtype", "float32"))
     if quantization_config is not None:
         if "quantization_config" in kwargs:
             raise ValueError(
@@ -99,6 +101,18 @@ def load_model(model_id: str, args, quantization_config=None, what: str = "polic
         AutoConfig, model_id, what, trust_remote_code=kwargs["trust_remote_code"], revision=kwargs.get("revision")
     )
     return from_pretrained_checked(_auto_class_for(config), model_id, what, **kwargs)
+
+
+def parse_dtype(dtype):
+    """A `dtype` for `from_pretrained`: a `torch.dtype`, "auto", None, or the name of a floating dtype."""
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype in ("bfloat16", "float16", "float32"):
+        return getattr(torch, dtype)
+    raise ValueError(
+        "Invalid `dtype` passed to the config. Expected either 'auto' or a string representing a valid "
+        f"`torch.dtype` (e.g., 'float32'), but got {dtype}."
+    )
 
 
 def load_processing_class(processing_class, model, args):

@@ -161,14 +161,28 @@ class OnlineTrainer(PolicyTrainerBase):
         check_value_vocabulary(self.model, value_model)
         self.value_model = value_model.to(self.args.device)
         self.value_head = attach_value_model(self.model, self.value_model)
+        # DDP's search for unused parameters (the Trainer's default without gradient checkpointing) starts from the
+        # forward's outputs, which do not contain the values: it would mark the critic unused, and again ready when
+        # its gradient arrives. Every trainable parameter gets a gradient at every step, so no search is needed.
+        if self.args.ddp_find_unused_parameters:
+            raise ValueError(
+                "ddp_find_unused_parameters=True is not supported with a value model (every parameter gets a "
+                "gradient at every step, and the search would mark the critic unused). Leave it None or False."
+            )
+        self.args.ddp_find_unused_parameters = False
+        if getattr(self.accelerator, "ddp_handler", None) is not None:  # built by Trainer.__init__ from the args
+            self.accelerator.ddp_handler.find_unused_parameters = False
 
-    def token_values(self, batch: RolloutBatch, grad: bool, chunk: int | None = None) -> torch.Tensor:
-        """The critic's values `(B, C)` of the states before each completion token (`chunk` rows per forward)."""
+    @torch.no_grad()
+    def token_values(self, batch: RolloutBatch, chunk: int | None = None) -> torch.Tensor:
+        """The critic's values `(B, C)` of the states before each completion token (`chunk` rows per forward),
+        without grad, for the rollout; with grad, the loss requests them from the policy's own forward
+        (`value_head.request_values`), so that DDP sees the critic inside the wrapper's forward."""
         input_ids, attention_mask, _ = batch.model_inputs()
         positions = position_ids_from_mask(attention_mask)
         width, chunk = batch.completion_ids.size(1), chunk or input_ids.size(0)
         parts = []
-        with torch.set_grad_enabled(grad), self.accelerator.autocast():
+        with self.accelerator.autocast():
             for i in range(0, input_ids.size(0), chunk):
                 rows = slice(i, i + chunk)
                 parts.append(self.value_head(input_ids[rows], attention_mask[rows], positions[rows], width))

@@ -8,6 +8,13 @@ Python objects (the DDP wrapper's `process_group`, DeepSpeed's engine, optimizer
 there aborts one rank about one run in ten to three (`terminate called without an active exception`, SIGABRT), after
 training and saving had finished; `accelerate launch` then reports the whole job as failed.
 
+A second, rarer end: a hang (seen in 2 of ~15 runs). The DDP wrapper's C++ `Reducer` holds the process group; if
+the group was destroyed first, whatever frees the wrapper last (a garbage collection at any allocation) runs
+`ProcessGroupGloo`'s destructor, which joins gloo's threads while holding the GIL, and a gloo thread waiting for the
+GIL to release a Python object never finishes. So the order is fixed: when `train()` returns, the trainer drops its
+DDP wrapper and collects it while the group is alive (`release_ddp_wrapper`); at exit, garbage collection is off
+while the group is destroyed.
+
 So, at exit, after the other exit handlers (the handler is registered when trl_unified is imported, so handlers that
 libraries register later, e.g. W&B's at `wandb.init`, run first; logging and multiprocessing, registered earlier, are
 run by it): the process group is destroyed while the interpreter is alive;
@@ -18,6 +25,7 @@ uncaught exception, the code given to `sys.exit(...)` / `exit(...)`, else 0.
 
 import atexit
 import builtins
+import gc
 import logging
 import os
 import sys
@@ -36,9 +44,24 @@ def install_distributed_shutdown() -> None:
     _state["active"] = True
 
 
+def release_ddp_wrapper(trainer) -> None:
+    """After training, drop the trainer's DDP wrapper (the policy stays) and collect it while the process group is
+    alive, so its Reducer is never the last holder of the group (see the module docstring). DeepSpeed and FSDP
+    wrappers stay: saving after training reads them."""
+    wrapped = getattr(trainer, "model_wrapped", None)
+    if not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+        return
+    trainer.model_wrapped = trainer.model
+    accelerator = trainer.accelerator
+    accelerator._models = [m for m in accelerator._models if m is not wrapped]
+    del wrapped
+    gc.collect()
+
+
 def _shutdown() -> None:
     if not _state["active"]:
         return
+    gc.disable()  # no collection may free a DDP Reducer between the group's destruction and the exit
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     if not _gloo_threads_alive():

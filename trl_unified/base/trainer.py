@@ -12,8 +12,7 @@ from accelerate.utils import gather_object, set_seed
 from datasets import Dataset, IterableDataset
 from transformers import Trainer
 
-from . import answers as _answers
-from .answers import answers_match, extract_answer
+from .answers import answers_match, extract_answer, reference_answers
 from .batch import TensorBatch
 from .config import PolicyConfig
 from .data import (
@@ -40,7 +39,7 @@ from .models import (
 )
 from .papers import PAPERS
 from .reference import ReferenceModel
-from .shutdown import install_distributed_shutdown
+from .shutdown import install_distributed_shutdown, release_ddp_wrapper
 
 
 logger = logging.getLogger(__name__)
@@ -292,6 +291,12 @@ class PolicyTrainerBase(Trainer):
             return loss, outputs
         return loss
 
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            release_ddp_wrapper(self)
+
     def _prepare_inputs(self, inputs):
         if isinstance(inputs, TensorBatch):
             return inputs.to(self.args.device)
@@ -350,15 +355,19 @@ class PolicyTrainerBase(Trainer):
         Lines under `output_dir/eval_records/`, gathered from all processes in dataset order.
         """
         names = column_names(dataset)
-        if (
-            not self.args.generative_eval
-            or dataset is None
-            or (names is not None and not self._has_reference_answers(names))
-        ):
+        if not self.args.generative_eval or dataset is None:
             return {}
-        local = [(i, row) for i, row in self._local_eval_rows(dataset) if self.reference_answer(row) is not None]
-        prompts = [self.eval_prompt(row) for _, row in local]
-        images = [get_images(row) for _, row in local]
+        if names is not None and not self._has_reference_answers(names):
+            self._warn_no_answer_column(names)
+            return {}
+        local = []
+        for index, row in self._local_eval_rows(dataset):
+            where = f"eval row {index}'s {self.args.eval_answer_field!r}"
+            accepted = reference_answers(self.reference_answer(row), where)
+            if accepted is not None:
+                local.append((index, row, accepted))
+        prompts = [self.eval_prompt(row) for _, row, _ in local]
+        images = [get_images(row) for _, row, _ in local]
         # Every process generates, even with no rows: under ZeRO-3 the parameter gather is a collective.
         out = self.generate(
             prompts,
@@ -368,38 +377,35 @@ class PolicyTrainerBase(Trainer):
             batch_size=self.args.per_device_eval_batch_size,
         )
         records = []
-        for (index, row), prompt, text in zip(local, prompts, out.texts, strict=True):
-            reference = extract_answer(self.reference_answer(row), lambda s: s)
+        for (index, _, accepted), prompt, text in zip(local, prompts, out.texts, strict=True):
             predicted = extract_answer(text, self.args.answer_extractor)
-            correct = answers_match(predicted, reference)
-            records.append(
-                dict(
-                    index=index,
-                    prompt=prompt,
-                    generation=text,
-                    predicted=predicted,
-                    reference=reference,
-                    correct=correct,
-                )
-            )
+            reference = accepted[0] if len(accepted) == 1 else accepted
+            record = dict(index=index, prompt=prompt, generation=text, predicted=predicted, reference=reference)
+            records.append({**record, "correct": answers_match(predicted, accepted)})
         records = sorted(gather_object(records), key=lambda r: r["index"])
         if not records:
             return {}
-        predictions, references = [r["predicted"] for r in records], [r["reference"] for r in records]
+        predictions = [r["predicted"] for r in records]
         metrics = {
-            f"{metric_key_prefix}_accuracy": _answers.AnswerAccuracy().compute(
-                predictions=[p or "" for p in predictions], references=[r or "" for r in references]
-            )["accuracy"],
+            f"{metric_key_prefix}_accuracy": sum(r["correct"] for r in records) / len(records),
             f"{metric_key_prefix}_answer_parse_rate": sum(p is not None for p in predictions) / len(predictions),
         }
+        references = [r["reference"] if isinstance(r["reference"], str) else r["reference"][0] for r in records]
         for metric in self.generative_metrics:
-            result = metric.compute(
-                predictions=[p or "" for p in predictions], references=[r or "" for r in references]
-            )
+            result = metric.compute(predictions=[p or "" for p in predictions], references=references)
             metrics.update({f"{metric_key_prefix}_{k}": v for k, v in result.items() if isinstance(v, (int, float))})
         if self.accelerator.is_main_process:
             self._write_records(records, metric_key_prefix)
         return metrics
+
+    def _warn_no_answer_column(self, names: list[str]) -> None:
+        if not getattr(self, "_warned_no_answers", False):
+            self._warned_no_answers = True
+            logger.warning(
+                f"Generative evaluation is on, but the eval dataset has no {self.args.eval_answer_field!r} column "
+                f"(eval_answer_field; its columns: {names}), so no eval_accuracy is logged. Name the reference-answer "
+                "column with eval_answer_field, or set generative_eval=False to silence this."
+            )
 
     def _has_reference_answers(self, names: list[str]) -> bool:
         return self.args.eval_answer_field in names

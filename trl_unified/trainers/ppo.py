@@ -228,7 +228,7 @@ class PPOTrainer(OnlineTrainer):
         v_mask = value_mask(batch.completion_mask).float()
         if args.whiten_rewards:
             token_rewards = masked_whiten(token_rewards, v_mask, shift_mean=False) * v_mask
-        batch.values = self.token_values(batch, grad=False, chunk=args.local_rollout_forward_batch_size) * v_mask
+        batch.values = self.token_values(batch, chunk=args.local_rollout_forward_batch_size) * v_mask
         advantages = gae_advantages(token_rewards, batch.values, args.gamma, args.lam)  # (B, C)
         batch.returns = advantages + batch.values
         batch.advantages = masked_whiten(advantages, mask) * mask
@@ -248,13 +248,14 @@ class PPOTrainer(OnlineTrainer):
         args, mask = self.args, inputs.loss_mask.float()
         v_mask = value_mask(inputs.completion_mask).float()
         input_ids, attention_mask, extra = inputs.model_inputs()
+        self.value_head.request_values(mask.size(1))  # the critic runs inside the policy's (DDP) forward
         out = self.token_logprobs(model, input_ids, attention_mask, mask.size(1), compute_entropy=True, **extra)
         log_ratio = (out.logps - inputs.old_logps) * mask  # 0 on padding, as TRL's constant fill gives
         ratio = torch.exp(log_ratio)
         pg_losses = -inputs.advantages * ratio
         pg_losses2 = -inputs.advantages * ratio.clamp(1 - args.cliprange, 1 + args.cliprange)
         pg_loss = masked_mean(torch.max(pg_losses, pg_losses2), mask)
-        values = self.token_values(inputs, grad=True) * v_mask
+        values = self.value_head.take_values() * v_mask
         clipped = torch.clamp(values, inputs.values - args.cliprange_value, inputs.values + args.cliprange_value)
         vf_losses, vf_losses2 = (values - inputs.returns) ** 2, (clipped - inputs.returns) ** 2
         vf_loss = 0.5 * masked_mean(torch.max(vf_losses, vf_losses2), v_mask)
