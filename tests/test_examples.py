@@ -5,6 +5,11 @@ import os
 import subprocess
 import sys
 
+import torch
+from safetensors.torch import load_file
+
+from trl_unified.pretrained import cache_dir
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,6 +44,20 @@ def test_rloo_example_real_run_from_yaml_with_lora(llama_path, tmp_path):
     assert "reward at start" in result.stdout
     for name in ("adapter_model.safetensors", "adapter_config.json", "README.md", "reward_curve.png"):
         assert (tmp_path / "out" / name).exists(), name
+    # the YAML's LoRA flags reached the adapter: rank 4 on q_proj and v_proj of each of the model's 2 layers
+    adapter = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    shapes = {name.split("layers.")[1]: tuple(t.shape) for name, t in adapter.items()}
+    config = json.load(open(os.path.join(llama_path, "config.json")))
+    hidden, kv = (
+        config["hidden_size"],
+        config["num_key_value_heads"] * config["hidden_size"] // config["num_attention_heads"],
+    )
+    expected = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, out in (("q_proj", hidden), ("v_proj", kv)):
+            expected[f"{layer}.self_attn.{module}.lora_A.weight"] = (4, hidden)
+            expected[f"{layer}.self_attn.{module}.lora_B.weight"] = (out, 4)
+    assert shapes == expected
 
 
 def test_grm_example_real_run_from_command_line(llama_path, tmp_path):
@@ -103,6 +122,10 @@ def test_grpo_demo_trains_and_saves(tmp_path):
     for name in ("model.safetensors", "tokenizer.json", "README.md", "reward_curve.png"):
         assert (out / name).exists(), name
     assert "GRPO" in (out / "README.md").read_text()
+    trained = load_file(out / "model.safetensors")
+    initial = load_file(os.path.join(cache_dir(), "online-demo-base-model", "model.safetensors"))  # the demo's base
+    # every tensor moved (k_proj.bias has a zero gradient: softmax ignores a score shift shared by all keys)
+    assert [n for n in trained if torch.equal(trained[n], initial[n]) and not n.endswith("k_proj.bias")] == []
 
 
 def test_dpo_and_kto_demos_learn_and_save(tmp_path):

@@ -16,28 +16,38 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(kind, out, mode):
+def start(kind, out, mode):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
+    return subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "tests", "resume_job.py"), kind, str(out), mode],
-        capture_output=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True,
         env=env,
-        timeout=300,
         cwd=ROOT,
     )
 
 
+def finish(job):
+    _, job.stderr_text = job.communicate(timeout=300)
+    return job
+
+
+def run(kind, out, mode):
+    return finish(start(kind, out, mode))
+
+
 @pytest.mark.parametrize("kind", ["rloo", "rloo_mu2", "grm", "dpo", "dpo_precompute", "ppo"])
 def test_resume_after_sigkill_matches_uninterrupted_run(kind, tmp_path):
-    full = run(kind, tmp_path / "full", "full")
-    assert full.returncode == 0, full.stderr[-3000:]
-    killed = run(kind, tmp_path / "interrupted", "kill")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    # the uninterrupted run and the run to be killed are independent (own folders, 1 thread each): side by side
+    full, killed = start(kind, tmp_path / "full", "full"), start(kind, tmp_path / "interrupted", "kill")
+    full, killed = finish(full), finish(killed)
+    assert full.returncode == 0, full.stderr_text[-3000:]
+    assert killed.returncode == -signal.SIGKILL, killed.stderr_text[-3000:]
     assert os.path.isdir(tmp_path / "interrupted" / kind / "checkpoint-3")
     assert not os.path.exists(tmp_path / "interrupted" / f"{kind}-kill.pt")  # it really died before the end
     resumed = run(kind, tmp_path / "interrupted", "resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, resumed.stderr_text[-3000:]
 
     expected = torch.load(tmp_path / "full" / f"{kind}-full.pt")
     got = torch.load(tmp_path / "interrupted" / f"{kind}-resume.pt")

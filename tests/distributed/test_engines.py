@@ -23,6 +23,13 @@ def smoke(config, kind, tmp_path):
     summary = json.load(open(tmp_path / f"{kind}-summary.json"))
     losses = [log["loss"] for log in summary["logs"] if "loss" in log]
     assert summary["processes"] == 2 and len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    if kind == "rloo":  # step 1's loss forward runs before any update: policy == reference, so the KL is 0
+        assert abs(summary["logs"][0]["kl"]) < 1e-6, summary["logs"][0]
+    else:  # the generative accuracy is the mean of the written records, one per eval row (no duplicates)
+        (records,) = (tmp_path / kind / "eval_records").glob("*.jsonl")
+        rows = [json.loads(line) for line in records.read_text().splitlines()]
+        assert sorted(r["index"] for r in rows) == list(range(5))
+        assert summary["metrics"]["eval_accuracy"] == sum(r["correct"] for r in rows) / 5
     return summary
 
 

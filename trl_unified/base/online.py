@@ -388,10 +388,16 @@ class OnlineTrainer(PolicyTrainerBase):
         the last `logits_to_keep` tokens (entropies keep their gradient when the entropy bonus is on)."""
         aux = kwargs.pop("compute_aux_loss", False)
         out = self.token_logprobs(
-            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, compute_entropy=compute_entropy,
-            entropy_requires_grad=self._entropy_bonus_enabled, output_router_logits=aux,
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size=batch_size,
+            compute_entropy=compute_entropy,
+            entropy_requires_grad=self._entropy_bonus_enabled,
+            output_router_logits=aux,
             **{k: v for k, v in kwargs.items() if v is not None},
-        )  # fmt: skip
+        )
         return out.logps, out.entropy, out.aux_loss
 
     def masked_global_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -659,10 +665,22 @@ class OnlineTrainer(PolicyTrainerBase):
         return [prepare_multimodal_messages(p, images=i or []) for p, i in zip(prompts, images, strict=True)], images
 
     # ------------------------------------------------------------------ sampling: generate, rollout_func, tool loop
-    def _generate(self, prompts: list, images=None) -> "SampledCompletions":
+    def generate_eval_texts(self, rows, prompts):
+        """With tools or environments, generative evaluation runs the agent: the tool loop, greedy unless
+        `eval_do_sample`, the answer read from the last assistant turn."""
+        if not rows or not (self.tools or self._env is not None):
+            return super().generate_eval_texts(rows, prompts)
+        prompts, _ = self._rollout_prompts(rows)
+        sampled = self._generate(
+            prompts, do_sample=self.args.eval_do_sample, max_new_tokens=self.args.eval_max_new_tokens
+        )
+        return [c[-1].get("content", "") if isinstance(c, list) else c for c in sampled.completions]
+
+    def _generate(self, prompts: list, images=None, do_sample=True, max_new_tokens=None) -> "SampledCompletions":
         """The completions of `prompts` (one per prompt; the sampler already repeats each num_generations times):
         from `rollout_func` when given, else the policy's generation; then, with tools, the multi-turn tool loop."""
         prompts = copy.deepcopy(prompts)
+        sampling = dict(do_sample=do_sample, max_new_tokens=max_new_tokens)
         extra_fields: dict[str, Any] = {}
         if self.rollout_func is not None:
             prompt_ids, completion_ids, extra_fields = self._call_rollout_func(prompts)
@@ -670,9 +688,9 @@ class OnlineTrainer(PolicyTrainerBase):
             if images is not None:
                 raise NotImplementedError("Tools with image rows are not implemented; drop the images or the tools.")
             prompt_ids = self._tokenize_with_tools(prompts)
-            completion_ids = self.generate(prompt_ids).completion_ids_list
+            completion_ids = self.generate(prompt_ids, **sampling).completion_ids_list
         else:
-            out = self.generate(prompts, images=images)
+            out = self.generate(prompts, images=images, **sampling)
             conversational = is_conversational({"prompt": prompts[0]})
             completions = [[{"role": "assistant", "content": t}] for t in out.texts] if conversational else out.texts
             return SampledCompletions(out, completions, {})
@@ -681,8 +699,10 @@ class OnlineTrainer(PolicyTrainerBase):
         if self.tools:
             loop = ToolLoop(
                 self.processing_class,
-                self._generate_turn,
-                self.args.max_completion_length,
+                lambda contexts, new_tokens: (
+                    self.generate(contexts, do_sample=do_sample, max_new_tokens=new_tokens).completion_ids_list
+                ),
+                max_new_tokens or self.args.max_completion_length,
                 max_positions(self.accelerator.unwrap_model(self.model)),
                 self.max_tool_calling_iterations,
                 self.chat_template,
@@ -745,10 +765,6 @@ class OnlineTrainer(PolicyTrainerBase):
             )
             for prompt, tools in zip(prompts, self._row_tools(len(prompts)), strict=True)
         ]
-
-    def _generate_turn(self, contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """One turn of the tool loop: continuations of token-id contexts (cut after EOS)."""
-        return self.generate(contexts, max_new_tokens=max_new_tokens).completion_ids_list
 
     def _parse_completions(self, prompts, prompt_ids, completion_ids) -> list:
         """Conversational rows: a list of messages per row (tool calls parsed when the tokenizer has a response
@@ -867,6 +883,13 @@ class OnlineTrainer(PolicyTrainerBase):
             failures = gather(torch.tensor([float(sampled.tool_failures)], device=device)).sum()
             self.log_metric("tools/call_frequency", (calls / lengths.numel()).item())
             self.log_metric("tools/failure_frequency", (failures / calls).item() if calls > 0 else 0.0)
+            # trl_unified's addition (TRL 1.16 logs no turn count): model turns per completion
+            turns = [
+                sum(m.get("role") == "assistant" for m in c) if isinstance(c, list) else 1 for c in sampled.completions
+            ]
+            self.log_metric(
+                "tools/turns_per_completion", gather(torch.tensor(turns, device=device).float()).mean().item()
+            )
         self.log_metric("num_tokens", self.state.num_input_tokens_seen)
         terminated = lengths[truncated == 0] if (truncated == 0).any() else torch.zeros(1, device=lengths.device)
         for name, values in (("", lengths), ("terminated_", terminated)):

@@ -367,17 +367,9 @@ class PolicyTrainerBase(Trainer):
             if accepted is not None:
                 local.append((index, row, accepted))
         prompts = [self.eval_prompt(row) for _, row, _ in local]
-        images = [get_images(row) for _, row, _ in local]
-        # Every process generates, even with no rows: under ZeRO-3 the parameter gather is a collective.
-        out = self.generate(
-            prompts,
-            images=images if any(img is not None for img in images) else None,
-            do_sample=self.args.eval_do_sample,
-            max_new_tokens=self.args.eval_max_new_tokens,
-            batch_size=self.args.per_device_eval_batch_size,
-        )
+        texts = self.generate_eval_texts([row for _, row, _ in local], prompts)
         records = []
-        for (index, _, accepted), prompt, text in zip(local, prompts, out.texts, strict=True):
+        for (index, _, accepted), prompt, text in zip(local, prompts, texts, strict=True):
             predicted = extract_answer(text, self.args.answer_extractor)
             reference = accepted[0] if len(accepted) == 1 else accepted
             record = dict(index=index, prompt=prompt, generation=text, predicted=predicted, reference=reference)
@@ -397,6 +389,18 @@ class PolicyTrainerBase(Trainer):
         if self.accelerator.is_main_process:
             self._write_records(records, metric_key_prefix)
         return metrics
+
+    def generate_eval_texts(self, rows: list[dict], prompts: list) -> list[str]:
+        """The texts generative evaluation reads answers from (greedy unless `eval_do_sample`). Every process
+        generates, even with no rows: under ZeRO-3 the parameter gather is a collective."""
+        images = [get_images(row) for row in rows]
+        return self.generate(
+            prompts,
+            images=images if any(img is not None for img in images) else None,
+            do_sample=self.args.eval_do_sample,
+            max_new_tokens=self.args.eval_max_new_tokens,
+            batch_size=self.args.per_device_eval_batch_size,
+        ).texts
 
     def _warn_no_answer_column(self, names: list[str]) -> None:
         if not getattr(self, "_warned_no_answers", False):

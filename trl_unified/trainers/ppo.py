@@ -150,14 +150,13 @@ class PPOTrainer(OnlineTrainer):
     ):
         """TRL 1.12's arguments, then, by keyword, the online core's: `reward_funcs`, `reward_processing_classes`,
         `quantization_config`, `tools`, `rollout_func`, `environment_factory`."""
+        no_reward = reward_model is None and not online_kwargs.get("reward_funcs")
         for problem, message in (
             (data_collator is not None, "data_collator is not used by PPOTrainer: the rollout pads the prompts."),
             (ref_model is not None and ref_model is model, "`model` and `ref_model` cannot be the same object."),
             (value_model is None, "value_model is required: a sequence classifier with num_labels=1 (the critic)."),
             (
-                reward_model is None
-                and not online_kwargs.get("reward_funcs")
-                and "environment_factory" not in online_kwargs,
+                no_reward and "environment_factory" not in online_kwargs,
                 "No reward source provided. Pass `reward_model` (TRL's PPO), `reward_funcs`, or an environment.",
             ),
         ):
