@@ -15,6 +15,9 @@ SmolLM2's own chat template cannot render tools (it has no tool syntax), so the 
 `qwen2_5` template: the same ChatML tokens (`<|im_start|>`, `<|im_end|>`) SmolLM2 was trained on, plus Qwen2.5's tool
 format, which TRL's response parser reads. The model has never seen that format: the prompt carries two solved
 examples (a tool call, its result, the answer), and reinforcement learning does the rest.
+
+Measured on 2 CPU cores: held-out accuracy 0.050 -> 1.000 after the default 20 steps (20.5 s/step, 6.8 minutes of
+training, about 9 minutes in all); benchmarks/RESULTS.md ("Agents") has the 40-step curve.
 """
 
 import argparse
