@@ -1,15 +1,20 @@
 """Speed and memory of trl_unified's DPOTrainer (or KTOTrainer) vs TRL's, same workload, in one run.
 
 Model: the Qwen2-style 33.8M-parameter model of `online_vs_trl.py` (random weights, 8k word-level vocabulary), fp32
-on CPU, gradient checkpointing off. Data: 256 pairs, prompts of 48-56 words, chosen and rejected completions of
-24-40 words; batch 8 pairs, beta 0.1, sigmoid loss, 10 steps, reference model a frozen copy. Each trainer runs in its
-own fresh subprocess (so peak RSS is its own), TRL then ours, `--repeats` times alternating. Printed: median seconds
-per step (first step excluded) and peak RSS per implementation, then
+on CPU, gradient checkpointing off. Data, 256 pairs (KTO: the same pairs as 512 unpaired rows):
 
-    ratio step_time=X peak_rss=Y        (ours / TRL's)
+- **default**: prompts of 48-56 words, chosen and rejected completions of 24-40 words;
+- **long**: prompts of ~400 words (396-404), completions of 32-48 words.
 
-Usage: python benchmarks/dpo_vs_trl.py [--trainer dpo|kto] [--threads 2] [--steps 10] [--repeats 1]
-    [--precompute_ref_log_probs]
+Batch 8 pairs (KTO: 16 rows), beta 0.1, sigmoid loss (KTO: `kto`), 10 steps, reference model a frozen copy. Each
+trainer runs in its own fresh subprocess (so peak RSS is its own), TRL then ours, `--repeats` times alternating.
+Printed per implementation: median seconds per step (first step excluded), peak RSS, and where the step goes
+(reference forwards, optimiser, and the rest: the policy's forward and backward); then per workload
+
+    ratio workload=default step_time=X peak_rss=Y        (ours / TRL's)
+
+Usage: python benchmarks/dpo_vs_trl.py [--trainer dpo|kto] [--workload default|long|both] [--threads 2]
+    [--steps 10] [--repeats 1] [--precompute_ref_log_probs] [--shared_prefix auto|false]
 """
 
 import argparse
@@ -22,9 +27,12 @@ import sys
 import tempfile
 
 
-def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, precompute: bool) -> None:
+WORKLOADS = {"default": ((48, 9), (24, 17)), "long": ((396, 9), (32, 17))}  # (min words, spread) of prompt, completion
+
+
+def run_one(trainer, impl, model_path, steps, out, precompute, workload, shared_prefix) -> None:
     from datasets import Dataset
-    from step_timer import StepTimer
+    from step_timer import PhaseTimer, StepTimer
     from transformers import PreTrainedTokenizerFast
 
     library = __import__("trl" if impl == "trl" else "trl_unified")
@@ -35,13 +43,19 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, prec
     def words(i, n, salt):
         return " ".join(f"w{(i * salt + j * 13) % 8000}" for j in range(n))
 
+    (prompt, spread_p), (completion, spread_c) = WORKLOADS[workload]
     rows = {
-        "prompt": [words(i, 48 + i % 9, 37) for i in range(256)],
-        "chosen": [" " + words(i, 24 + i % 17, 41) for i in range(256)],
-        "rejected": [" " + words(i, 24 + (i * 7) % 17, 43) for i in range(256)],
+        "prompt": [words(i, prompt + i % spread_p, 37) for i in range(256)],
+        "chosen": [" " + words(i, completion + i % spread_c, 41) for i in range(256)],
+        "rejected": [" " + words(i, completion + (i * 7) % spread_c, 43) for i in range(256)],
     }
+    if trainer == "kto":
+        from trl import unpair_preference_dataset
 
-    timer = StepTimer()
+        rows = unpair_preference_dataset(Dataset.from_dict(rows)).to_dict()
+
+    timer, phases = StepTimer(), PhaseTimer()
+    extra = {} if impl == "trl" else {"shared_prefix": {"auto": None, "false": False}[shared_prefix]}
     args = config_class(
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=8 if trainer == "dpo" else 16,  # KTO: 16 unpaired rows = 8 pairs
@@ -53,18 +67,23 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, prec
         save_strategy="no",
         gradient_checkpointing=False,
         seed=0,
-        max_length=256,
+        max_length=1024,
         precompute_ref_log_probs=precompute,
+        **extra,
     )
-    trainer_class(
+    trainer = trainer_class(
         model_path,
         args=args,
         train_dataset=Dataset.from_dict(rows),
         processing_class=tokenizer,
-        callbacks=[timer],
-    ).train()
-    json.dump({"times": timer.times, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
-              open(out, "w"))  # fmt: skip
+        callbacks=[timer, phases],
+    )
+    reference = trainer.ref_model
+    if reference is not None:
+        phases.watch("reference", reference)
+    trainer.train()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    json.dump({"times": timer.times, "phases": phases.phases, "peak_rss_mb": peak}, open(out, "w"))
 
 
 def main():
@@ -74,13 +93,17 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--precompute_ref_log_probs", action="store_true")
+    parser.add_argument("--workload", choices=["default", "long", "both"], default="both")
+    parser.add_argument("--shared_prefix", choices=["auto", "false"], default="auto", help="ours only")
     parser.add_argument("--child", nargs=3, metavar=("IMPL", "MODEL", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         import torch
 
         torch.set_num_threads(args.threads)
-        run_one(args.trainer, args.child[0], args.child[1], args.steps, args.child[2], args.precompute_ref_log_probs)
+        impl, model, out = args.child
+        options = (args.precompute_ref_log_probs, args.workload, args.shared_prefix)
+        run_one(args.trainer, impl, model, args.steps, out, *options)
         return
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from online_vs_trl import build_model
@@ -94,13 +117,19 @@ def main():
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
+    for workload in ("default", "long") if args.workload == "both" else (args.workload,):
+        compare(args, workload, model_path, workdir, env)
+
+
+def compare(args, workload, model_path, workdir, env):
     results = {"trl": [], "ours": []}
     for _ in range(args.repeats):
         for impl in ("trl", "ours"):
             out = os.path.join(workdir, f"{impl}.json")
-            cmd = [sys.executable, __file__, "--trainer", args.trainer, "--threads", str(args.threads), "--steps",
-                   str(args.steps), *(["--precompute_ref_log_probs"] if args.precompute_ref_log_probs else []),
-                   "--child", impl, model_path, out]  # fmt: skip
+            options = ["--trainer", args.trainer, "--threads", str(args.threads), "--steps", str(args.steps)]
+            options += ["--workload", workload, "--shared_prefix", args.shared_prefix]
+            options += ["--precompute_ref_log_probs"] if args.precompute_ref_log_probs else []
+            cmd = [sys.executable, __file__, *options, "--child", impl, model_path, out]
             subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             results[impl].append(json.load(open(out)))
     summary = {}
@@ -108,10 +137,19 @@ def main():
         step = statistics.median(statistics.median(r["times"][1:]) for r in runs)
         rss = statistics.median(r["peak_rss_mb"] for r in runs)
         summary[impl] = (step, rss)
-        print(f"{impl:>5} [{args.trainer}]: {step:.3f} s/step (median, first step excluded), peak RSS {rss:.0f} MB "
-              f"[{args.threads} threads, {args.steps} steps, {args.repeats} run(s)]")  # fmt: skip
+        phases = {
+            name: statistics.median(statistics.median(r["phases"][name][1:]) for r in runs)
+            for name in runs[0]["phases"]
+        }
+        split = ", ".join(f"{name} {seconds:.3f}" for name, seconds in phases.items())
+        rest = step - sum(phases.values())
+        print(
+            f"{impl:>5} [{args.trainer}, {workload}]: {step:.3f} s/step (median, first step excluded), peak RSS "
+            f"{rss:.0f} MB; per step: {split}, policy forward+backward and the rest {rest:.3f} "
+            f"[{args.threads} threads, {args.steps} steps, {args.repeats} run(s)]"
+        )
     ours, trl = summary["ours"], summary["trl"]
-    print(f"ratio step_time={ours[0] / trl[0]:.2f} peak_rss={ours[1] / trl[1]:.2f}")
+    print(f"ratio workload={workload} step_time={ours[0] / trl[0]:.2f} peak_rss={ours[1] / trl[1]:.2f}")
 
 
 if __name__ == "__main__":

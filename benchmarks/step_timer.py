@@ -17,3 +17,38 @@ class StepTimer(TrainerCallback):
 
     def on_step_end(self, *args, **kwargs):
         self.times.append(time.perf_counter() - self.start)
+
+
+class PhaseTimer(TrainerCallback):
+    """Where a step's time goes: `phases[name]` holds the seconds spent per step in the forwards of the modules given
+    to `watch(name, module)` (e.g. the reference model) and, as "optimiser", between the pre- and post-optimiser-step
+    events; what remains of a step is the policy's forward and backward (and the library's own work)."""
+
+    def __init__(self):
+        self.phases, self._current = {"optimiser": []}, {}
+
+    def watch(self, name: str, module) -> None:
+        self.phases[name] = []
+        forward = module.forward
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self._current[name] = self._current.get(name, 0.0) + time.perf_counter() - start
+
+        module.forward = timed
+
+    def on_step_begin(self, *args, **kwargs):
+        self._current = {}
+
+    def on_pre_optimizer_step(self, *args, **kwargs):
+        self._optimiser_start = time.perf_counter()
+
+    def on_optimizer_step(self, *args, **kwargs):
+        self._current["optimiser"] = time.perf_counter() - self._optimiser_start
+
+    def on_step_end(self, *args, **kwargs):
+        for name, values in self.phases.items():
+            values.append(self._current.get(name, 0.0))

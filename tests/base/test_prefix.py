@@ -3,11 +3,14 @@ generations, with left padding, repeated and distinct prompts in one batch."""
 
 import pytest
 import torch
+from datasets import Dataset
+from peft import LoraConfig
 from transformers import GenerationConfig
 
 from trl_unified import compute_token_logprobs, generate_batched
 from trl_unified.base.prefix import group_prompts, unsupported_reason
 from trl_unified.testing import build_causal_lm
+from trl_unified.trainers.dpo import LOSS_TYPES as DPO_LOSS_TYPES
 
 
 def test_group_prompts_by_ids_and_padding():
@@ -113,8 +116,6 @@ def test_unsupported_models_and_inputs_are_named(tokenizer):
 
 # ------------------------------------------------------------------ in the online trainers
 def _train(path, tmp_path, trainer_class, config_class, peft=False, **config):
-    from peft import LoraConfig
-
     from tests.helpers import prompt_dataset, varied_reward
 
     # SGD: the parameters after 2 steps then differ by the gradients' rounding only. Adam divides each gradient by its
@@ -189,3 +190,88 @@ def test_fallbacks_are_logged_and_forced_sharing_is_checked(llama_path, tmp_path
         _train(llama_path, tmp_path, GRPOTrainer, GRPOConfig, gradient_checkpointing=True, shared_prefix=True)
     with pytest.raises(ValueError, match=r"shared_prefix='maybe' must be None \(auto\), True or False"):
         GRPOConfig(output_dir=str(tmp_path), shared_prefix="maybe", bf16=False)
+
+
+def preference_rows(n=8, paired=True):
+    words = "a b c d e f g h i j k l m n o p q r s t u v w x y z".split()
+    prompts = [" ".join(words[(i * 3 + j) % 26] for j in range(3 + i % 4)) for i in range(n)]
+    chosen = [" " + " ".join(words[(i * 5 + 2 * j) % 26] for j in range(2 + i % 3)) for i in range(n)]
+    rejected = [" " + " ".join(words[(i * 7 + j) % 26] for j in range(1 + (i + 1) % 4)) for i in range(n)]
+    if paired:
+        return Dataset.from_dict({"prompt": prompts, "chosen": chosen, "rejected": rejected})
+    completions = [c if i % 3 else r for i, (c, r) in enumerate(zip(chosen, rejected))]
+    return Dataset.from_dict({"prompt": prompts, "completion": completions, "label": [bool(i % 3) for i in range(n)]})
+
+
+def _train_preference(path, tmp_path, name, peft=False, **config):
+    import trl_unified
+
+    args = getattr(trl_unified, f"{name}Config")(
+        output_dir=str(tmp_path / f"{name}-{config.get('shared_prefix')}"),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        learning_rate=1e-2,
+        optim="sgd",  # see _train: parameter comparisons stay CPU-independent
+        logging_steps=1,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        gradient_checkpointing=False,
+        seed=0,
+        **config,
+    )
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if peft else None
+    trainer = getattr(trl_unified, f"{name}Trainer")(
+        path, args=args, train_dataset=preference_rows(paired=name == "DPO"), peft_config=peft_config
+    )
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "name, config",
+    [
+        ("DPO", {}),
+        ("DPO", {"loss_type": ["sigmoid", "sft"], "ld_alpha": 0.5, "use_weighting": True}),
+        ("DPO", {"loss_type": list(DPO_LOSS_TYPES), "label_smoothing": 1e-3}),  # every loss type, summed
+        ("DPO", {"model": "qwen2_path"}),
+        ("DPO", {"peft": True}),
+        ("DPO", {"precompute_ref_log_probs": True}),
+        ("DPO", {"max_length": 7}),  # completions cut at the end (keep_start)
+        ("DPO", {"max_length": 7, "truncation_mode": "keep_end"}),  # prompts cut at the start: pairs may differ
+        ("KTO", {}),
+        ("KTO", {"peft": True}),
+    ],
+)
+def test_preference_trainers_share_prompts_by_default_with_the_plain_numbers(
+    name, config, tmp_path, monkeypatch, request
+):
+    import trl_unified.base.logprobs as logprobs
+
+    config = dict(config)
+    path = request.getfixturevalue(config.pop("model", "llama_path"))
+
+    calls = []
+    original = logprobs.encode_prefix
+    monkeypatch.setattr(
+        logprobs,
+        "encode_prefix",
+        lambda *a, _o=original, **k: calls.append((a[1].size(0), a[4][0].numel())) or _o(*a, **k),
+    )
+    shared = _train_preference(path, tmp_path, name, shared_prefix=None, **config)
+    if name == "DPO" and config.get("truncation_mode") != "keep_end":
+        # every policy and reference forward encoded the 4 prompts of a batch once for their 8 rows
+        assert calls and set(calls) == {(8, 4)}, calls
+    if name == "KTO":  # the reference forward joins each batch's 4 completions and 4 KL rows: 4 prompts, once each
+        assert calls == [(8, 4)] * 2, calls
+    count = len(calls)
+    plain = _train_preference(path, tmp_path, name, shared_prefix=False, **config)
+    assert len(calls) == count  # off means off
+    keys = ["loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "logits/chosen", "entropy"]
+    for key in keys + (["mean_token_accuracy"] if name == "DPO" else ["kl"]):
+        ours = [log[key] for log in shared.state.log_history if key in log]
+        ref = [log[key] for log in plain.state.log_history if key in log]
+        assert len(ours) == len(ref) > 0, key
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=1e-4, atol=1e-5, msg=key)
+    for (n, p), q in zip(shared.model.named_parameters(), plain.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)

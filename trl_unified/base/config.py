@@ -201,6 +201,18 @@ class PolicyConfig(TrainingArguments):
         metadata={"help": "Sample during generative evaluation (with the sampling fields above) instead of greedy."},
     )
 
+    shared_prefix: bool | None = field(
+        default=None,
+        metadata={
+            "help": "trl_unified only. Encode a prompt once for all the rows that repeat it (Prefix Grouper, "
+            "arXiv:2506.05433): the G completions of an online group (generation, reference / old-log-prob forwards, "
+            "the policy forward with grad), the chosen and rejected completions of a preference pair. The same "
+            "numbers with less compute. None (auto): wherever the model and inputs allow it (decoder-only, no image "
+            "inputs, no gradient checkpointing in the grad pass; an info log line names any fallback); True: the "
+            "same, but an unsupported model raises at construction; False: off."
+        },
+    )
+
     def __post_init__(self):
         if self.bf16 is None:
             self.bf16 = not self.fp16 and (self.use_cpu or _has_bf16_accelerator())
@@ -211,6 +223,12 @@ class PolicyConfig(TrainingArguments):
         for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
             if isinstance(getattr(self, name), str):  # JSON from the command line
                 setattr(self, name, json.loads(getattr(self, name)))
+        if isinstance(self.shared_prefix, str):  # 'auto' / 'true' / 'false' (command line, older configs)
+            self.shared_prefix = {"auto": None, "none": None, "true": True, "false": False}.get(
+                self.shared_prefix.lower(), self.shared_prefix
+            )
+        if self.shared_prefix not in (None, True, False):
+            raise ValueError(f"shared_prefix={self.shared_prefix!r} must be None (auto), True or False.")
         super().__post_init__()
         self._check_unimplemented_fields()
         self._check_generation_fields()

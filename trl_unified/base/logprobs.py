@@ -58,6 +58,15 @@ class TokenLogprobs:
     aux_loss: torch.Tensor | None = None
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "TokenLogprobs":
+        """The same fields with `fn` applied to every per-token tensor (e.g. a change of layout)."""
+        return TokenLogprobs(
+            logps=fn(self.logps),
+            entropy=None if self.entropy is None else fn(self.entropy),
+            aux_loss=self.aux_loss,
+            stats={name: fn(value) for name, value in self.stats.items()},
+        )
+
 
 def compute_token_logprobs(
     model,
@@ -70,6 +79,7 @@ def compute_token_logprobs(
     batch_size: int | None = None,
     output_router_logits: bool = False,
     shared_prefix: bool = False,
+    position_ids: torch.Tensor | None = None,
     logits_stats: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]] | None = None,
     **forward_kwargs,
 ) -> TokenLogprobs:
@@ -97,6 +107,8 @@ def compute_token_logprobs(
             chunk once and reuse its KV cache for the rows that repeat it (see `base/prefix.py`); same log-probs and,
             under grad, same gradients as the plain forward, less compute when prompts repeat. The caller decides
             whether the model supports it (`prefix.unsupported_reason`).
+        position_ids (`torch.LongTensor`, *optional*): `(B, P + C)` positions, e.g. those of another layout of the
+            same rows (`preference_data.shared_prompt_layout`); the model's default otherwise.
         **forward_kwargs (`Any`): other model inputs with a leading batch dimension (e.g. `token_type_ids`), or, for
             vision-language models, the full image tensors (then `batch_size` must cover the whole batch).
 
@@ -127,9 +139,14 @@ def compute_token_logprobs(
         if shared_prefix:
             groups = group_prompts(input_ids[rows, :prompt_length], attention_mask[rows, :prompt_length])
         outputs = None
+        positions = None if position_ids is None else position_ids[rows]
         if groups is not None:  # the prompt but its last token once per group; the rest per row, on the cache
             try:
-                cache = encode_prefix(model, input_ids[rows], attention_mask[rows], prompt_length - 1, groups)
+                cache = encode_prefix(
+                    model, input_ids[rows], attention_mask[rows], prompt_length - 1, groups, positions
+                )
+                if positions is not None:
+                    kwargs["position_ids"] = positions[:, prompt_length - 1 :]
                 outputs = model(
                     input_ids=input_ids[rows, prompt_length - 1 :],
                     attention_mask=attention_mask[rows],
@@ -141,6 +158,8 @@ def compute_token_logprobs(
             except PrefixSharingUnsupported as e:
                 report_fallback("log-prob forward", str(e))
         if outputs is None:
+            if positions is not None:
+                kwargs["position_ids"] = positions
             outputs = model(
                 input_ids=input_ids[rows],
                 attention_mask=attention_mask[rows],

@@ -44,7 +44,6 @@ from .data import RepeatedIterable, RepeatSampler, dataset_columns, get_images, 
 from .generation import GenerationOutput, max_positions, prompt_lengths
 from .models import cast_lm_head_to_fp32, get_tokenizer, load_model_plain
 from .online_config import OnlineConfig
-from .prefix import report_fallback, unsupported_reason
 from .reference import prepare_frozen_model
 from .rewards import EventLoopThread, RewardFunctions, is_async_callable, nanstd
 from .rollout import RolloutBatch
@@ -128,7 +127,6 @@ class OnlineTrainer(PolicyTrainerBase):
         for i, reward_model in self.rewards.models():
             self.rewards.funcs[i] = prepare_frozen_model(reward_model.requires_grad_(False), self.accelerator)
         self._check_prompt_lengths()
-        self._check_shared_prefix_support()
         self._step, self._buffer, self._rollout, self._step_time = 0, None, None, 0.0
         self.completion_log = CompletionLog(self.args.generation_batch_size)
         # Each process samples different completions, reproducibly (the samplers have their own seeded generator).
@@ -307,7 +305,7 @@ class OnlineTrainer(PolicyTrainerBase):
 
     def generation_options(self) -> dict[str, Any]:
         with torch.no_grad():  # generation runs without grad (and with checkpointing off)
-            shared = self._uses_shared_prefix(self.model, "generation", generation=True)
+            shared = self.uses_shared_prefix(self.model, "generation", obstacle=self._generation_sharing_obstacle())
         return {
             "shared_prefix": shared,
             "gather_deepspeed3_params": self.args.ds3_gather_for_generation,
@@ -327,22 +325,10 @@ class OnlineTrainer(PolicyTrainerBase):
     def token_logprobs(self, model, input_ids, attention_mask, logits_to_keep, **kwargs):
         """The base's log-probs, encoding each repeated prompt once where `shared_prefix` allows it."""
         extra = {k: v for k, v in kwargs.items() if k not in _LOGPROB_OPTIONS}
-        shared = self._uses_shared_prefix(
+        shared = self.uses_shared_prefix(
             model, "log-prob forward", extra, router_logits=kwargs.get("output_router_logits", False)
         )
         return super().token_logprobs(model, input_ids, attention_mask, logits_to_keep, shared_prefix=shared, **kwargs)
-
-    def _uses_shared_prefix(self, model, where: str, extra=None, router_logits=False, generation=False) -> bool:
-        if self.args.shared_prefix is False:
-            return False
-        reason = unsupported_reason(model, extra)
-        if reason is None and router_logits:
-            reason = "the MoE load-balancing loss is computed over every row's tokens"
-        if reason is None and generation:
-            reason = self._generation_sharing_obstacle()
-        if reason is not None:
-            report_fallback(where, reason)
-        return reason is None
 
     def _generation_sharing_obstacle(self) -> str | None:
         config = self.generation_config()
@@ -351,15 +337,6 @@ class OnlineTrainer(PolicyTrainerBase):
         if self.args.use_transformers_continuous_batching:
             return "continuous batching manages its own paged cache"
         return None
-
-    def _check_shared_prefix_support(self) -> None:
-        if self.args.shared_prefix is True:
-            with torch.no_grad():
-                reason = unsupported_reason(self.model)
-            if reason is None and self.args.gradient_checkpointing:
-                reason = "gradient checkpointing drops the KV cache in a forward with grad"
-            if reason is not None:
-                raise ValueError(f"shared_prefix=True, but {reason}. Use shared_prefix=None (auto) or False.")
 
     # ------------------------------------------------------------------ TRL's loss helpers (public on its trainers)
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:

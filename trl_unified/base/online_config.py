@@ -160,24 +160,8 @@ class OnlineConfig(PolicyConfig):
     vllm_importance_sampling_cap: float | None = field(
         default=None, metadata={"help": "Deprecated vLLM importance-sampling cap (vLLM only: ignored)."}
     )
-    shared_prefix: bool | None = field(
-        default=None,
-        metadata={
-            "help": "trl_unified only. Encode each prompt once per group of completions (Prefix Grouper, "
-            "arXiv:2506.05433) in generation, the reference / old-log-prob forwards and the policy forward with grad: "
-            "the same numbers with less compute. None (auto): wherever the model and inputs allow it (decoder-only, "
-            "no image inputs, no gradient checkpointing in the grad pass; an info log line names any fallback); "
-            "True: the same, but an unsupported model raises at construction; False: off."
-        },
-    )
 
     def __post_init__(self):
-        if isinstance(self.shared_prefix, str):  # 'auto' / 'true' / 'false' (command line, older configs)
-            self.shared_prefix = {"auto": None, "none": None, "true": True, "false": False}.get(
-                self.shared_prefix.lower(), self.shared_prefix
-            )
-        if self.shared_prefix not in (None, True, False):
-            raise ValueError(f"shared_prefix={self.shared_prefix!r} must be None (auto), True or False.")
         if isinstance(self.transformers_continuous_batching_config, str):
             self.transformers_continuous_batching_config = json.loads(self.transformers_continuous_batching_config)
         if self.use_transformers_paged:

@@ -19,6 +19,7 @@ from .preference_data import (
     PairedBatch,
     PairedCollator,
     SequenceBatch,
+    SharedPromptLayout,
     UnpairedBatch,
     UnpairedCollator,
     prepare_preference_dataset,
@@ -195,23 +196,46 @@ class PreferenceTrainer(PolicyTrainerBase):
         """Per-token log-probs `(B, L - 1)` of `sequences.input_ids[:, 1:]` under `model` (temperature 1), zeroed
         outside the completion; with `stats`, the `TokenLogprobs` too (entropy, TRL's token statistics, aux loss)."""
         input_ids = sequences.input_ids
+        options = dict(
+            compute_entropy=stats,
+            logits_stats=preference_token_stats(getattr(self.args, "use_weighting", False)) if stats else None,
+            output_router_logits=stats and self.aux_loss_enabled,
+        )
+        layout = None
+        if self.uses_shared_prefix(model, "log-prob forward", router_logits=options["output_router_logits"]):
+            layout = SharedPromptLayout.build(sequences, self._pad_token_id())
         with self.accelerator.autocast():
-            out = compute_token_logprobs(
-                model,
-                input_ids,
-                sequences.attention_mask,
-                input_ids.size(1) - 1,
-                compute_entropy=stats,
-                logits_stats=preference_token_stats(getattr(self.args, "use_weighting", False)) if stats else None,
-                output_router_logits=stats and self.aux_loss_enabled,
-                use_cache=False,
-            )
+            if layout is not None:  # each distinct prompt encoded once (a pair's chosen and rejected rows share it)
+                out = compute_token_logprobs(
+                    model,
+                    layout.input_ids,
+                    layout.attention_mask,
+                    layout.targets.size(1),
+                    shared_prefix=True,
+                    position_ids=layout.position_ids,
+                    **options,
+                )
+                out = out.map(lambda values: layout.scatter(values, input_ids.size(1) - 1))
+            else:
+                out = compute_token_logprobs(
+                    model, input_ids, sequences.attention_mask, input_ids.size(1) - 1, use_cache=False, **options
+                )
         logps = out.logps * sequences.completion_mask[:, 1:]
         return (logps, out) if stats else logps
 
-    def reference_completion_logps(self, sequences: SequenceBatch) -> torch.Tensor:
+    def reference_completion_logps(self, *sequences: SequenceBatch) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Per-token reference log-probs of one batch, or of several in one forward (rows of different batches that
+        share a prompt then encode it once: KTO's completion and KL rows), returned per batch."""
+        joined = sequences[0] if len(sequences) == 1 else SequenceBatch.concat(sequences, self._pad_token_id())
         with torch.no_grad(), self.reference.use(self.accelerator, self.model) as ref_model:
-            return self.completion_logps(ref_model, sequences)
+            logps = self.completion_logps(ref_model, joined)
+        if len(sequences) == 1:
+            return logps
+        parts = logps.split([len(b) for b in sequences])
+        return tuple(part[:, : b.input_ids.size(1) - 1] for part, b in zip(parts, sequences, strict=True))
+
+    def _pad_token_id(self) -> int:
+        return get_tokenizer(self.processing_class).pad_token_id or 0
 
     def reference_columns(self, batch: PairedBatch | UnpairedBatch) -> dict[str, torch.Tensor]:
         """The reference log-probs stored per row by `precompute_ref_log_probs`: `{column: (B,) tensor}`."""

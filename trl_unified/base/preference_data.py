@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from datasets import Dataset
 from trl import extract_prompt, is_conversational, unpair_preference_dataset
 
@@ -126,6 +127,17 @@ class SequenceBatch(TensorBatch):
     def __len__(self) -> int:
         return self.input_ids.size(0)
 
+    @classmethod
+    def concat(cls, batches: list["SequenceBatch"], pad_token_id: int) -> "SequenceBatch":
+        """The rows of several batches in one, right-padded to the widest (e.g. KTO's completions and KL rows, for one
+        reference forward where each prompt is shared by its two rows)."""
+        width = max(b.input_ids.size(1) for b in batches)
+
+        def cat(name, value):
+            return torch.cat([F.pad(getattr(b, name), (0, width - len(b.input_ids[0])), value=value) for b in batches])
+
+        return cls(cat("input_ids", pad_token_id), cat("attention_mask", 0), cat("completion_mask", 0))
+
 
 def pack(
     prompts, completions, pad_token_id, max_length, truncation_mode="keep_start", pad_to_multiple_of=None
@@ -145,6 +157,51 @@ def pack(
         attention_mask=padded([[1] * len(r) for r in ids], 0),
         completion_mask=padded(masks, 0),
     )
+
+
+@dataclass
+class SharedPromptLayout:
+    """`SequenceBatch` rows re-laid out for prompt sharing: each prompt left-padded to `P` positions, each completion
+    right-padded to `C`, so that rows with the same prompt are equal on `[:, :P]` (the chosen and rejected rows of a
+    pair, a completion and its KL row). The original positions are kept, so the model computes the same function.
+    Encoding the shared prompt once is prefix sharing for preference tuning (Wang et al., 2024, arXiv:2410.20305).
+
+    Fields:
+        input_ids, attention_mask, position_ids (`(B, P + C)`).
+        targets (`(B, C)`): for completion position j of row i, the index of that token in the original rows'
+            per-token layout `(B, L - 1)` (predicting `input_ids[:, 1:]`), or -1 past the row's completion.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+
+    @classmethod
+    def build(cls, sequences: SequenceBatch, pad_token_id: int) -> "SharedPromptLayout | None":
+        """None when a row has no prompt token left (`truncation_mode="keep_end"` cut it all): its first completion
+        token is not scored in the original layout, and there is no prompt to share."""
+        completion = sequences.completion_mask.bool()
+        prompt_lengths = (completion.long().cumsum(1) == 0).sum(1)  # (B,) tokens before the first completion token
+        lengths = sequences.attention_mask.sum(1)  # (B,) prompt + completion
+        if bool((prompt_lengths < 1).any()):
+            return None
+        width_p, width_c = int(prompt_lengths.max()), int((lengths - prompt_lengths).max())
+        columns = torch.arange(width_p + width_c, device=completion.device)[None, :]
+        original = columns - width_p + prompt_lengths[:, None]  # (B, P + C): new column k holds original column k'
+        valid = (original >= 0) & (original < lengths[:, None])
+        index = original.clamp(0, sequences.input_ids.size(1) - 1)
+        input_ids = torch.where(valid, sequences.input_ids.gather(1, index), pad_token_id)
+        targets = torch.where(valid[:, width_p:], original[:, width_p:] - 1, -1)  # (B, C)
+        return cls(input_ids, valid.long(), original.clamp(min=0), targets)
+
+    def scatter(self, values: torch.Tensor, width: int) -> torch.Tensor:
+        """`(B, C)` per-completion-token values → the original `(B, width)` per-token layout (zero, False,
+        elsewhere)."""
+        out = values.new_zeros(values.size(0), width)
+        keep = self.targets >= 0
+        rows = torch.arange(values.size(0), device=values.device)[:, None].expand_as(self.targets)
+        return out.index_put((rows[keep], self.targets[keep]), values[keep])
 
 
 @dataclass

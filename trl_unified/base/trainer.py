@@ -38,6 +38,7 @@ from .models import (
     prepare_peft_checkpointing,
 )
 from .papers import PAPERS
+from .prefix import report_fallback, unsupported_reason
 from .reference import ReferenceModel
 from .shutdown import install_distributed_shutdown, release_ddp_wrapper
 
@@ -142,6 +143,7 @@ class PolicyTrainerBase(Trainer):
         # in setup()).
         set_seed(self.args.seed)
         self.setup()
+        self._check_shared_prefix_support()
         self.sync_reference_every_steps()
         install_distributed_shutdown()  # see base/shutdown.py: no SIGABRT at exit
         if hasattr(self.model, "add_model_tags"):
@@ -275,6 +277,29 @@ class PolicyTrainerBase(Trainer):
             return compute_token_logprobs(
                 model, input_ids, attention_mask, logits_to_keep, temperature=self.args.temperature, **kwargs
             )
+
+    def uses_shared_prefix(self, model, where: str, extra=None, router_logits=False, obstacle=None) -> bool:
+        """Whether `where` (e.g. "log-prob forward") encodes repeated prompts once (`args.shared_prefix`, see
+        `base/prefix.py`); a fallback is reported once, with its reason: the model (`prefix.unsupported_reason`),
+        extra inputs such as images, the MoE loss (`router_logits`), or a caller's `obstacle`."""
+        if self.args.shared_prefix is False:
+            return False
+        reason = unsupported_reason(model, extra)
+        if reason is None and router_logits:
+            reason = "the MoE load-balancing loss is computed over every row's tokens"
+        reason = reason or obstacle
+        if reason is not None:
+            report_fallback(where, reason)
+        return reason is None
+
+    def _check_shared_prefix_support(self) -> None:
+        if self.args.shared_prefix is True:
+            with torch.no_grad():
+                reason = unsupported_reason(self.model)
+            if reason is None and self.args.gradient_checkpointing:
+                reason = "gradient checkpointing drops the KV cache in a forward with grad"
+            if reason is not None:
+                raise ValueError(f"shared_prefix=True, but {reason}. Use shared_prefix=None (auto) or False.")
 
     def reference_logprobs(self, input_ids, attention_mask, logits_to_keep, **kwargs) -> torch.Tensor:
         """Per-token log-probs under the reference model (no grad, eval mode)."""

@@ -37,6 +37,7 @@ class GRMConfig(PolicyConfig):
         "packing": "Sequence packing is not implemented; rows are padded per batch.",
         "padding_free": "Padding-free batches are not implemented; rows are padded per batch.",
         "loss_type": "Only the negative log-likelihood ('nll') is implemented.",
+        "shared_prefix": "GRM rows do not repeat a prompt: there is nothing to share.",
     }
 
     learning_rate: float = field(default=2e-5, metadata={"help": "Initial AdamW learning rate."})

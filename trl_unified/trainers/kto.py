@@ -130,25 +130,25 @@ class KTOTrainer(PreferenceTrainer):
             )
 
     def reference_columns(self, batch: UnpairedBatch):
-        columns = {"ref_logps": self.reference_completion_logps(batch.sequences).sum(1)}
-        if self._uses_kl():
-            columns["ref_KL_logps"] = self.reference_completion_logps(batch.kl_sequences).sum(1)
-        return columns
+        if not self._uses_kl():
+            return {"ref_logps": self.reference_completion_logps(batch.sequences).sum(1)}
+        ref, ref_kl = self.reference_completion_logps(batch.sequences, batch.kl_sequences)  # one forward
+        return {"ref_logps": ref.sum(1), "ref_KL_logps": ref_kl.sum(1)}
 
     def compute_policy_loss(self, model, inputs: UnpairedBatch, num_items_in_batch=None):
         args, beta = self.args, self.beta
         desirable = inputs.label.bool()
         per_token, out = self.completion_logps(model, inputs.sequences, stats=True)
-        ref_logps = inputs.ref_logps
-        if ref_logps is None:
-            ref_logps = self.reference_completion_logps(inputs.sequences).sum(1)
+        if inputs.ref_logps is None:  # one reference forward: the completions and, for the KL term, the KL rows
+            columns = self.reference_columns(inputs)
+        else:
+            columns = {"ref_logps": inputs.ref_logps, "ref_KL_logps": inputs.ref_KL_logps}
+        ref_logps = columns["ref_logps"]
         logratios = per_token.sum(1) - ref_logps
         if self._uses_kl():
             with torch.no_grad():
                 kl_logps = self.completion_logps(model, inputs.kl_sequences).sum(1)
-            ref_kl = inputs.ref_KL_logps
-            if ref_kl is None:
-                ref_kl = self.reference_completion_logps(inputs.kl_sequences).sum(1)
+            ref_kl = columns["ref_KL_logps"]
             kl = self.accelerator.gather_for_metrics((kl_logps - ref_kl).mean().detach()).mean().clamp(min=0)
         else:
             kl = torch.zeros((), device=logratios.device)
