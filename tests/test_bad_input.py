@@ -26,7 +26,13 @@ from trl_unified import (
     RLOOTrainer,
     generate_batched,
 )
-from trl_unified.testing import build_causal_lm, build_image, build_sequence_classifier, build_tokenizer
+from trl_unified.testing import (
+    build_causal_lm,
+    build_image,
+    build_sequence_classifier,
+    build_tokenizer,
+    build_vision_language_model,
+)
 
 
 LORA = dict(r=4, target_modules=["q_proj", "v_proj"])
@@ -553,10 +559,16 @@ CASES = [
         r"`precompute_ref_log_probs=True` is not supported with IterableDataset",
     ),
     (
-        "dpo_image_rows",
+        "dpo_image_rows_text_model",
         lambda c: preference(c, "dpo", {**PAIRS, "images": [[build_image()], [build_image()]]}),
-        (NotImplementedError, ValueError),  # text model: the base's image check; a VLM: not implemented for DPO
-        r"image column",
+        ValueError,
+        r"appears to be vision-related .* not seem to be a vision-language model",  # TRL's wording
+    ),
+    (
+        "kto_image_rows_text_model",
+        lambda c: preference(c, "kto", {**PAIRS, "images": [[build_image()], [build_image()]]}),
+        ValueError,
+        r"appears to be vision-related .* not seem to be a vision-language model",
     ),
     (
         "dpo_dataset_dict",
@@ -630,3 +642,23 @@ def test_reward_failing_mid_run_names_step_and_row_and_keeps_the_checkpoint(rewa
     assert (checkpoint / "model.safetensors").exists()
     assert json.load(open(checkpoint / "trainer_state.json"))["global_step"] == 2
     assert not os.path.exists(tmp_path / "out" / "checkpoint-3")
+
+
+@pytest.mark.parametrize("name", ["dpo", "kto"])
+def test_max_length_that_cuts_image_tokens_raises_before_the_first_update(name, tmp_path):
+    model, processor = build_vision_language_model()
+    rows = {
+        "prompt": [[{"role": "user", "content": "a b"}]] * 2,
+        "chosen": [[{"role": "assistant", "content": "c"}]] * 2,
+        "rejected": [[{"role": "assistant", "content": "d"}]] * 2,
+        "images": [[build_image(0)], [build_image(1)]],
+    }
+    args = (DPOConfig if name == "dpo" else KTOConfig)(
+        output_dir=str(tmp_path), bf16=False, report_to=[], per_device_train_batch_size=2, max_length=8, max_steps=1
+    )
+    trainer = (DPOTrainer if name == "dpo" else KTOTrainer)(
+        model, args=args, train_dataset=Dataset.from_dict(rows), processing_class=processor
+    )
+    with pytest.raises(ValueError, match=r"max_length=8 cuts a prompt of \d+ tokens with its image tokens"):
+        trainer.train()
+    assert trainer.state.global_step == 0

@@ -11,6 +11,7 @@ from peft import LoraConfig
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
 import trl_unified
+from trl_unified.testing import build_image, build_vision_language_model
 from trl_unified.trainers.dpo import LOSS_TYPES
 
 
@@ -161,3 +162,78 @@ def test_kto_matches_trl(case, qwen2_path, tmp_path):
     overrides = dict(KTO_CASES[case])
     rows = paired_rows(4) if overrides.pop("paired", False) else unpaired_rows()
     compare("KTO", qwen2_path, tmp_path, rows, KTO_METRICS, **overrides)
+
+
+def image_rows(n=8):
+    """Conversational pairs with one image each (TRL's vision preference format)."""
+    rows = paired_rows(n, conversational=True)
+    rows["images"] = [[build_image(i)] for i in range(n)]
+    return rows
+
+
+def run_vlm(module, trainer, tmp_path, rows, precompute=False, peft=False):
+    model, processor = build_vision_language_model()
+    ref_model = None if precompute else build_vision_language_model()[0]  # TRL needs one for an unnamed model
+    recorder = GradRecorder()
+    dataset = Dataset.from_dict(rows)
+    if trainer == "KTO":  # both labels in every batch of 4
+        dataset = Dataset.from_dict(
+            {
+                "prompt": rows["prompt"],
+                "completion": [c if i % 3 else r for i, (c, r) in enumerate(zip(rows["chosen"], rows["rejected"]))],
+                "label": [bool(i % 3) for i in range(len(rows["prompt"]))],
+                "images": rows["images"],
+            }
+        )
+    args = getattr(module, f"{trainer}Config")(
+        output_dir=str(tmp_path / f"vlm-{module.__name__}"),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        gradient_checkpointing=False,
+        seed=3,
+        max_length=None,
+        precompute_ref_log_probs=precompute,
+    )
+    policy_trainer = getattr(module, f"{trainer}Trainer")(
+        model,
+        ref_model=None if peft else ref_model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=processor,
+        callbacks=[recorder],
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if peft else None,
+    )
+    policy_trainer.train()
+    params = {n: p.detach().clone() for n, p in policy_trainer.model.named_parameters() if p.requires_grad}
+    history = policy_trainer.state.log_history
+    return [log["loss"] for log in history if "loss" in log], recorder.grads, params, history
+
+
+@pytest.mark.parametrize(
+    "trainer, case",
+    [("DPO", "plain"), ("DPO", "peft"), ("DPO", "precompute"), ("KTO", "plain"), ("KTO", "precompute")],
+)
+def test_image_rows_match_trl(trainer, case, tmp_path):
+    """A tiny Qwen2-VL on image preference rows: TRL's numbers. TRL refuses `precompute_ref_log_probs` for images;
+    ours precomputes them (the policy is the reference), compared with TRL's on-the-fly reference."""
+    theirs = run_vlm(trl, trainer, tmp_path, image_rows(), peft=case == "peft")
+    ours = run_vlm(trl_unified, trainer, tmp_path, image_rows(), precompute=case == "precompute", peft=case == "peft")
+    torch.testing.assert_close(torch.tensor(ours[0]), torch.tensor(theirs[0]), rtol=1e-6, atol=1e-5)
+    assert len(ours[1]) == len(theirs[1]) == 2
+    for step, (g, ref_g) in enumerate(zip(ours[1], theirs[1])):
+        assert g.keys() == ref_g.keys()
+        assert any("visual" in name and v.abs().sum() > 0 for name, v in g.items()) or case == "peft"
+        for name in g:
+            torch.testing.assert_close(g[name], ref_g[name], rtol=1e-4, atol=1e-5, msg=f"step {step} {name}")
+    for name, value in ours[2].items():
+        torch.testing.assert_close(value, theirs[2][name], rtol=1e-4, atol=1e-5, msg=name)
+    for key in DPO_METRICS if trainer == "DPO" else KTO_METRICS:
+        mine = [log[key] for log in ours[3] if key in log and "loss" in log]
+        ref = [log[key] for log in theirs[3] if key in log and "loss" in log]
+        assert len(mine) == len(ref) > 0, key
+        torch.testing.assert_close(torch.tensor(mine), torch.tensor(ref), rtol=1e-4, atol=1e-5, msg=key)

@@ -12,7 +12,7 @@ from datasets import IterableDataset
 from torch.utils.data import DataLoader
 
 from .config import PolicyConfig
-from .data import column_names, dataset_columns
+from .data import check_images_fit, column_names, dataset_columns
 from .logprobs import TokenLogprobs, compute_token_logprobs
 from .models import get_tokenizer
 from .preference_data import (
@@ -166,11 +166,7 @@ class PreferenceTrainer(PolicyTrainerBase):
         names = set(dataset_columns(dataset))
         if "prompt_ids" in names:
             return
-        if names & {"image", "images"}:
-            raise NotImplementedError(
-                f"The {name} dataset has an image column: vision-language preference rows are not implemented in "
-                f"trl_unified's {type(self).__name__} yet. Use trl's trainer for them, or drop the images."
-            )
+        check_images_fit(dataset, self.processing_class, self.model)
         if not any(set(option) <= names for option in self.required_columns):
             wanted = " or ".join("/".join(option) for option in self.required_columns)
             raise ValueError(
@@ -185,11 +181,16 @@ class PreferenceTrainer(PolicyTrainerBase):
             max_length=self.args.max_length,
             truncation_mode=getattr(self.args, "truncation_mode", "keep_start"),
             pad_to_multiple_of=self.args.pad_to_multiple_of,
+            processing_class=self.processing_class,
         )
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
-            self._signature_columns = list(self.signature_columns)
+            self._signature_columns = self._batch_columns()
+
+    def _batch_columns(self) -> list[str]:
+        """The columns the collator reads: the subclass's, and those of rows with images (`base/vision.py`)."""
+        return [*self.signature_columns, "prompt_text", "images", "image"]
 
     # ------------------------------------------------------------------ log-probs
     def completion_logps(self, model, sequences: SequenceBatch, stats: bool = False):
@@ -201,8 +202,9 @@ class PreferenceTrainer(PolicyTrainerBase):
             logits_stats=preference_token_stats(getattr(self.args, "use_weighting", False)) if stats else None,
             output_router_logits=stats and self.aux_loss_enabled,
         )
+        extra = sequences.model_inputs()  # image tensors and per-token inputs of vision-language rows
         layout = None
-        if self.uses_shared_prefix(model, "log-prob forward", router_logits=options["output_router_logits"]):
+        if self.uses_shared_prefix(model, "log-prob forward", extra, router_logits=options["output_router_logits"]):
             layout = SharedPromptLayout.build(sequences, self._pad_token_id())
         with self.accelerator.autocast():
             if layout is not None:  # each distinct prompt encoded once (a pair's chosen and rejected rows share it)
@@ -218,7 +220,13 @@ class PreferenceTrainer(PolicyTrainerBase):
                 out = out.map(lambda values: layout.scatter(values, input_ids.size(1) - 1))
             else:
                 out = compute_token_logprobs(
-                    model, input_ids, sequences.attention_mask, input_ids.size(1) - 1, use_cache=False, **options
+                    model,
+                    input_ids,
+                    sequences.attention_mask,
+                    input_ids.size(1) - 1,
+                    use_cache=False,
+                    **options,
+                    **extra,
                 )
         logps = out.logps * sequences.completion_mask[:, 1:]
         return (logps, out) if stats else logps
@@ -246,7 +254,7 @@ class PreferenceTrainer(PolicyTrainerBase):
         if dataset is None or any(name.startswith("ref_") for name in column_names(dataset) or []):
             return dataset
         loader = DataLoader(
-            dataset.select_columns([c for c in self.signature_columns if c in dataset.column_names]),
+            dataset.select_columns([c for c in self._batch_columns() if c in dataset.column_names]),
             batch_size=self.args.precompute_ref_batch_size or batch_size,
             collate_fn=self.data_collator,
             shuffle=False,
@@ -289,7 +297,9 @@ class PreferenceTrainer(PolicyTrainerBase):
         """For `compute_metrics`, as TRL: the logits of an extra forward over the batch's sequences, and their ids."""
         sequences = inputs.sequences
         with torch.no_grad(), self.accelerator.autocast():
-            logits = model(input_ids=sequences.input_ids, attention_mask=sequences.attention_mask).logits
+            logits = model(
+                input_ids=sequences.input_ids, attention_mask=sequences.attention_mask, **sequences.model_inputs()
+            ).logits
         return logits, sequences.input_ids
 
     # ------------------------------------------------------------------ shared metrics

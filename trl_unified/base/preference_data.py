@@ -10,8 +10,9 @@ Rows whose prompt alone fills `max_length` are dropped (as TRL), with a warning 
 truncates each prompt + completion to `max_length`.
 """
 
+import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,8 +20,10 @@ import torch.nn.functional as F
 from datasets import Dataset
 from trl import extract_prompt, is_conversational, unpair_preference_dataset
 
-from .batch import TensorBatch
+from .batch import TensorBatch, scalar_field
 from .data import column_names, pad
+from .models import get_tokenizer
+from .vision import EncodedPrompts, encode_prompts, has_images, render_conversation, row_images
 
 
 logger = logging.getLogger(__name__)
@@ -72,10 +75,43 @@ def split_completions(row: dict, processing_class, keys: tuple[str, ...]) -> dic
     return out
 
 
+def split_completions_with_images(row: dict, processing_class, keys: tuple[str, ...]) -> dict[str, Any]:
+    """For a conversational row with images: `prompt_text` (the chat-template text with one placeholder per image,
+    expanded into image tokens when the batch is collated with its images) and one `<key>_ids` per completion key,
+    split where the tokenised prompt and prompt + completion diverge (as `split_completions`)."""
+    if not isinstance(row["prompt"], list):
+        raise ValueError(
+            "Rows with images need conversational prompts (lists of messages), so that the chat template places the "
+            f"image tokens; got a {type(row['prompt']).__name__} prompt."
+        )
+    template_kwargs = dict(row.get("chat_template_kwargs") or {})
+    images, tokenizer = row_images(row), get_tokenizer(processing_class)
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    prompt_text = render_conversation(
+        processing_class, row["prompt"], images, add_generation_prompt=True, **template_kwargs
+    )
+    prompt_ids = ids(prompt_text)
+    full = {
+        key: ids(render_conversation(processing_class, row["prompt"] + row[key], images, **template_kwargs))
+        for key in keys
+    }
+    prompt_len = min(common_prefix_length(prompt_ids, value) for value in full.values())
+    if prompt_len < len(prompt_ids):
+        prompt_text = tokenizer.decode(prompt_ids[:prompt_len])
+        logger.warning(
+            "The tokenised prompt is not a prefix of the tokenised prompt + completion; the completion starts where "
+            f"they diverge, dropping {tokenizer.decode(prompt_ids[prompt_len:])!r} from the prompt, as TRL does."
+        )
+    return {"prompt_text": prompt_text, **{f"{key}_ids": value[prompt_len:] for key, value in full.items()}}
+
+
 def prepare_preference_dataset(dataset, processing_class, args, name: str, paired: bool, eos_token: str):
     """TRL's preparation of a preference dataset (see the module docstring). Idempotent: tokenised data is returned
     as is. `paired=False` unpairs `chosen`/`rejected` rows into `completion`/`label` rows."""
-    if dataset is None or "prompt_ids" in (column_names(dataset) or next(iter(dataset)).keys()):
+    if dataset is None or {"prompt_ids", "prompt_text"} & set(column_names(dataset) or next(iter(dataset)).keys()):
         return dataset
     map_kwargs = {"num_proc": args.dataset_num_proc} if isinstance(dataset, Dataset) else {}
     first = next(iter(dataset))
@@ -84,6 +120,10 @@ def prepare_preference_dataset(dataset, processing_class, args, name: str, paire
     if not paired and "chosen" in first:
         dataset = unpair_preference_dataset(dataset, **map_kwargs)
     keys = ("chosen", "rejected") if paired else ("completion",)
+    if has_images(first):  # the images stay in the rows; the collator processes them (see base/vision.py)
+        return dataset.map(
+            split_completions_with_images, fn_kwargs={"processing_class": processing_class, "keys": keys}, **map_kwargs
+        )
     if not is_conversational(next(iter(dataset))):
 
         def add_eos(row):
@@ -123,9 +163,16 @@ class SequenceBatch(TensorBatch):
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     completion_mask: torch.Tensor
+    token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    visual_inputs: dict[str, torch.Tensor] = scalar_field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.input_ids.size(0)
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The model inputs besides ids and mask: `token_inputs` (`(B, L)`, e.g. `token_type_ids`) and
+        `visual_inputs` (the processor's image tensors, laid out per image in row order); empty for text rows."""
+        return {**self.token_inputs, **self.visual_inputs}
 
     @classmethod
     def concat(cls, batches: list["SequenceBatch"], pad_token_id: int) -> "SequenceBatch":
@@ -133,10 +180,16 @@ class SequenceBatch(TensorBatch):
         reference forward where each prompt is shared by its two rows)."""
         width = max(b.input_ids.size(1) for b in batches)
 
-        def cat(name, value):
-            return torch.cat([F.pad(getattr(b, name), (0, width - len(b.input_ids[0])), value=value) for b in batches])
+        def cat(tensors, value):
+            return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors])
 
-        return cls(cat("input_ids", pad_token_id), cat("attention_mask", 0), cat("completion_mask", 0))
+        return cls(
+            cat([b.input_ids for b in batches], pad_token_id),
+            cat([b.attention_mask for b in batches], 0),
+            cat([b.completion_mask for b in batches], 0),
+            {k: cat([b.token_inputs[k] for b in batches], 0) for k in batches[0].token_inputs},
+            {k: torch.cat([b.visual_inputs[k] for b in batches]) for k in batches[0].visual_inputs},
+        )
 
 
 def pack(
@@ -157,6 +210,43 @@ def pack(
         attention_mask=padded([[1] * len(r) for r in ids], 0),
         completion_mask=padded(masks, 0),
     )
+
+
+def pack_with_images(
+    encoded: EncodedPrompts,
+    completions,
+    pad_token_id,
+    max_length,
+    truncation_mode="keep_start",
+    pad_to_multiple_of=None,
+) -> SequenceBatch:
+    """`pack` for prompts encoded with their images: `completions` holds k completions per prompt (row i of the
+    j-th block has prompt i, as a pair's chosen then rejected rows), so the prompts' tokens, per-token inputs and
+    image tensors are repeated k times, never re-processed. A `max_length` that would cut a prompt (its image
+    tokens) raises."""
+    repeat = len(completions) // len(encoded.input_ids)
+    prompts = encoded.input_ids * repeat
+    if max_length is not None:
+        for prompt, completion in zip(prompts, completions, strict=True):
+            cut = (
+                len(prompt) >= max_length if truncation_mode == "keep_start" else len(prompt + completion) > max_length
+            )
+            if cut:
+                raise ValueError(
+                    f"max_length={max_length} cuts a prompt of {len(prompt)} tokens with its image tokens "
+                    f"(completion: {len(completion)} tokens, truncation_mode={truncation_mode!r}): the image features "
+                    "would no longer match the image tokens. Raise max_length or set it to None for image rows."
+                )
+    options = (max_length, truncation_mode, pad_to_multiple_of)
+    sequences = pack(prompts, completions, pad_token_id, *options)
+    zeros = [[0] * len(c) for c in completions]
+    token_inputs = {k: pack(v * repeat, zeros, 0, *options).input_ids for k, v in encoded.token_inputs.items()}
+    visual_inputs = {k: torch.cat([v] * repeat) for k, v in encoded.visual_inputs.items()}
+    return dataclasses.replace(sequences, token_inputs=token_inputs, visual_inputs=visual_inputs)
+
+
+def _encode_image_prompts(processing_class, rows) -> EncodedPrompts:
+    return encode_prompts(processing_class, [row["prompt_text"] for row in rows], [row_images(row) for row in rows])
 
 
 @dataclass
@@ -263,18 +353,16 @@ class PairedCollator:
     max_length: int | None = None
     truncation_mode: str = "keep_start"
     pad_to_multiple_of: int | None = None
+    processing_class: Any = None  # for rows with images (`prompt_text` + `images`)
 
     def __call__(self, rows: list[dict[str, Any]]) -> PairedBatch:
-        prompts = [row["prompt_ids"] for row in rows]
         completions = [row["chosen_ids"] for row in rows] + [row["rejected_ids"] for row in rows]
-        sequences = pack(
-            prompts + prompts,
-            completions,
-            self.pad_token_id,
-            self.max_length,
-            self.truncation_mode,
-            self.pad_to_multiple_of,
-        )
+        options = (self.pad_token_id, self.max_length, self.truncation_mode, self.pad_to_multiple_of)
+        if "prompt_text" in rows[0]:  # the images are processed once per pair, for both rows
+            sequences = pack_with_images(_encode_image_prompts(self.processing_class, rows), completions, *options)
+        else:
+            prompts = [row["prompt_ids"] for row in rows]
+            sequences = pack(prompts + prompts, completions, *options)
         return PairedBatch(sequences, _ref_column(rows, "ref_chosen_logps"), _ref_column(rows, "ref_rejected_logps"))
 
 
@@ -287,15 +375,26 @@ class UnpairedCollator:
     max_length: int | None = None
     truncation_mode: str = "keep_start"
     pad_to_multiple_of: int | None = None
+    processing_class: Any = None  # for rows with images (`prompt_text` + `images`)
 
     def __call__(self, rows: list[dict[str, Any]]) -> UnpairedBatch:
         options = (self.pad_token_id, self.max_length, self.truncation_mode, self.pad_to_multiple_of)
-        prompts = [row["prompt_ids"] for row in rows]
+        if "prompt_text" in rows[0]:  # the images are processed once, for the completion and the KL rows
+            encoded = _encode_image_prompts(self.processing_class, rows)
+
+            def build(completions):
+                return pack_with_images(encoded, completions, *options)
+        else:
+            prompts = [row["prompt_ids"] for row in rows]
+
+            def build(completions):
+                return pack(prompts, completions, *options)
+
         kl = None
         if "KL_completion_ids" in rows[0]:
-            kl = pack(prompts, [row["KL_completion_ids"] for row in rows], *options)
+            kl = build([row["KL_completion_ids"] for row in rows])
         return UnpairedBatch(
-            sequences=pack(prompts, [row["completion_ids"] for row in rows], *options),
+            sequences=build([row["completion_ids"] for row in rows]),
             label=torch.tensor([bool(row["label"]) for row in rows]),
             kl_sequences=kl,
             ref_logps=_ref_column(rows, "ref_logps"),

@@ -91,7 +91,8 @@ class KTOTrainer(PreferenceTrainer):
                 )
 
     def prepare_dataset(self, dataset, name: str):
-        tokenized = dataset is not None and "prompt_ids" in (getattr(dataset, "column_names", None) or [])
+        columns = set(getattr(dataset, "column_names", None) or [])
+        tokenized = dataset is not None and bool({"prompt_ids", "prompt_text"} & columns)
         dataset = super().prepare_dataset(dataset, name)
         if dataset is None or tokenized:
             return dataset
