@@ -117,3 +117,39 @@ def test_explicit_ref_model_by_path(llama_path, qwen2_path, tmp_path):
 
 
 # A ref_model together with a PEFT policy is rejected: tests/test_bad_input.py CASES 'ref_model_with_peft'.
+
+
+def test_pretrained_adapter_on_expert_parameters_gets_a_frozen_copy(tokenizer, tmp_path):
+    """PEFT hosts one adapter per model when LoRA targets parameters (MoE experts): no "ref" adapter; the starting
+    policy (base + adapter as it arrived) is kept as a frozen copy, and the base weights stay untouched."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    config = GptOssConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, layer_types=["full_attention"] * 2,
+    )  # fmt: skip
+    lora = LoraConfig(r=4, lora_alpha=8, target_parameters=["mlp.experts.down_proj", "mlp.experts.gate_up_proj"])
+    peft_model = get_peft_model(GptOssForCausalLM(config).float(), lora)
+    ids, mask, keep = probe(tokenizer)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+        start_logps = compute_token_logprobs(peft_model, ids, mask, keep).logps
+    base = {n: p.clone() for n, p in peft_model.named_parameters() if "lora_" not in n}
+    trainer = RLOOTrainer(
+        peft_model,
+        count_a,
+        args=rloo_args(tmp_path, beta=0.1, max_steps=2, learning_rate=0.1),
+        train_dataset=prompt_dataset(),
+        processing_class=tokenizer,
+    )
+    assert "ref" not in trainer.model.peft_config and trainer.reference.kind == "copy"
+    trainer.train()
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.reference_logprobs(ids, mask, keep), start_logps, rtol=1e-5, atol=1e-6)
+    for name, p in trainer.model.named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(p, base[name]), name

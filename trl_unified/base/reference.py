@@ -29,8 +29,9 @@ class ReferenceModel:
         not the starting policy, so a frozen copy of the adapter, named "ref", is switched in.
       - `"policy"`: the policy itself, valid only before training changes it (reference log-probs precomputed
         before the first step, with no ref_model given: no copy is kept).
-      - `"copy"`: a separate frozen model in eval mode (from `ref_model`, or a deep copy of the policy), prepared by
-        accelerate / DeepSpeed / FSDP.
+      - `"copy"`: a separate frozen model in eval mode (from `ref_model`, or a deep copy of the policy; also for a
+        PEFT policy whose pretrained adapter targets parameters, which PEFT cannot pair with a "ref" adapter),
+        prepared by accelerate / DeepSpeed / FSDP.
     """
 
     def __init__(self, kind: str, model: torch.nn.Module | None = None, policy: torch.nn.Module | None = None):
@@ -61,6 +62,11 @@ class ReferenceModel:
                     "ref_model was given together with a PEFT policy. With PEFT the reference is the policy with its "
                     "adapter disabled (or a frozen copy of a pretrained adapter); drop ref_model."
                 )
+            if adapter_is_pretrained and _adapter_targets_parameters(policy):
+                # PEFT hosts one adapter per model when LoRA targets parameters (peft#3340): no "ref" adapter can
+                # be added, so the starting policy is kept as a frozen copy (TRL falls back to the base model).
+                ref = copy.deepcopy(policy).requires_grad_(False)
+                return cls("copy", model=ref.eval())
             if adapter_is_pretrained:
                 _add_frozen_ref_adapter(policy)
                 return cls("ref_adapter", policy=policy)
@@ -148,6 +154,10 @@ def _freeze_adapter(model, name: str) -> None:
     for param_name, param in model.named_parameters():
         if f".{name}." in param_name:
             param.requires_grad_(False)
+
+
+def _adapter_targets_parameters(model) -> bool:
+    return bool(getattr(model.peft_config[model.active_adapter], "target_parameters", None))
 
 
 def _add_frozen_ref_adapter(model) -> None:
