@@ -198,3 +198,20 @@ def test_policy_learns_held_out_preferences(trainer_name, tokenizer, tmp_path):
     print(f"{trainer_name}: held-out accuracy {before:.2f} -> {after:.2f} in {time.perf_counter() - start:.1f}s")
     assert 0.2 < before < 0.8, before
     assert after > 0.9, after
+
+
+@pytest.mark.parametrize("name", ["DPO", "KTO"])
+def test_collated_batches_read_like_trls(name, llama_path, tmp_path):
+    """TRL's preference collators return input_ids / attention_mask / completion_mask; users' code reads them."""
+    rows = {"prompt": ["a b", "c"], "chosen": [" d e", " f"], "rejected": [" g", " h i"]}
+    if name == "KTO":
+        rows = {"prompt": ["a b", "c"], "completion": [" d e", " h i"], "label": [True, False]}
+    args = getattr(trl_unified, f"{name}Config")(output_dir=str(tmp_path), bf16=False, report_to=[])
+    trainer = getattr(trl_unified, f"{name}Trainer")(llama_path, args=args, train_dataset=Dataset.from_dict(rows))
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    assert "input_ids" in batch and "completion_mask" in batch and "attention_mask" in batch
+    assert torch.equal(batch["input_ids"], batch.sequences.input_ids)
+    assert batch["input_ids"][0, -1].item() == trainer.processing_class.eos_token_id
+    mask = batch["completion_mask"][0].tolist()
+    first = mask.index(1)
+    assert first > 0 and not any(mask[:first])

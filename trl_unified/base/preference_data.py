@@ -23,7 +23,7 @@ from trl import extract_prompt, is_conversational, unpair_preference_dataset
 from .batch import TensorBatch, scalar_field
 from .data import column_names, pad
 from .models import get_tokenizer
-from .vision import EncodedPrompts, encode_prompts, has_images, render_conversation, row_images
+from .vision import EncodedPrompts, encode_prompts, has_images, render_conversation, row_images, row_videos
 
 
 logger = logging.getLogger(__name__)
@@ -85,17 +85,17 @@ def split_completions_with_images(row: dict, processing_class, keys: tuple[str, 
             f"image tokens; got a {type(row['prompt']).__name__} prompt."
         )
     template_kwargs = dict(row.get("chat_template_kwargs") or {})
-    images, tokenizer = row_images(row), get_tokenizer(processing_class)
+    images, videos, tokenizer = row_images(row), row_videos(row), get_tokenizer(processing_class)
 
     def ids(text):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     prompt_text = render_conversation(
-        processing_class, row["prompt"], images, add_generation_prompt=True, **template_kwargs
+        processing_class, row["prompt"], images, videos, add_generation_prompt=True, **template_kwargs
     )
     prompt_ids = ids(prompt_text)
     full = {
-        key: ids(render_conversation(processing_class, row["prompt"] + row[key], images, **template_kwargs))
+        key: ids(render_conversation(processing_class, row["prompt"] + row[key], images, videos, **template_kwargs))
         for key in keys
     }
     prompt_len = min(common_prefix_length(prompt_ids, value) for value in full.values())
@@ -246,7 +246,10 @@ def pack_with_images(
 
 
 def _encode_image_prompts(processing_class, rows) -> EncodedPrompts:
-    return encode_prompts(processing_class, [row["prompt_text"] for row in rows], [row_images(row) for row in rows])
+    texts = [row["prompt_text"] for row in rows]
+    return encode_prompts(
+        processing_class, texts, [row_images(row) for row in rows], [row_videos(row) for row in rows]
+    )
 
 
 @dataclass
@@ -294,8 +297,21 @@ class SharedPromptLayout:
         return out.index_put((rows[keep], self.targets[keep]), values[keep])
 
 
+class _ReadsSequences:
+    """TRL's preference collators return `input_ids`, `attention_mask` and `completion_mask` (chosen then rejected
+    rows for DPO); `batch["input_ids"]` etc. read those of `batch.sequences` here."""
+
+    SEQUENCE_KEYS = ("input_ids", "attention_mask", "completion_mask")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.SEQUENCE_KEYS or super().__contains__(name)
+
+    def __getitem__(self, name: str):
+        return getattr(self.sequences, name) if name in self.SEQUENCE_KEYS else super().__getitem__(name)
+
+
 @dataclass
-class PairedBatch(TensorBatch):
+class PairedBatch(_ReadsSequences, TensorBatch):
     """B preference pairs, chosen and rejected stacked for one forward.
 
     Fields:
@@ -319,7 +335,7 @@ class PairedBatch(TensorBatch):
 
 
 @dataclass
-class UnpairedBatch(TensorBatch):
+class UnpairedBatch(_ReadsSequences, TensorBatch):
     """B labelled completions (KTO).
 
     Fields:
