@@ -7,6 +7,8 @@ EXTRAS = {
     "dev": ["pytest>=8", "matplotlib>=3.8", "pyyaml>=6", "ruff>=0.6"],
     "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
     "examples": ["matplotlib>=3.8"],
+    # transformers' video processors (video rows in GRM, DPO, KTO); install beside a torch it matches (.ci/vision)
+    "vision": ["torchvision>=0.20", "pillow>=10"],
 }
 EXTRAS["all"] = sorted({dep for deps in EXTRAS.values() for dep in deps})
 

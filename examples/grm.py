@@ -6,6 +6,8 @@ locally and learn the synthetic judging task "which of two numbers is larger?" (
 accuracy before and after training is printed, and the model, eval records and model card are saved.
 
     accelerate launch examples/grm.py
+    python examples/grm.py --video     # a tiny Qwen2-VL judge on videos: "does the clip get brighter or darker?"
+                                       # (needs torchvision: pip install trl_unified[vision]; about a minute)
 
 With arguments it is a TRL-style script (script args + GRMConfig + ModelConfig, or --config file.yaml). The dataset
 needs prompt/completion (the judgment) or messages (the judgment as the last assistant turn) columns, optionally
@@ -48,6 +50,7 @@ class GRMScriptArguments(ScriptArguments):
     dataset_name: str | None = field(
         default=None, metadata={"help": "Dataset id or path. None runs the offline demo."}
     )
+    video: bool = field(default=False, metadata={"help": "Demo only: the video judge (needs torchvision)."})
 
 
 def judging_row(a: int, b: int) -> dict:
@@ -68,14 +71,37 @@ def demo_model_and_data():
     return build_causal_lm(tokenizer, "qwen2", hidden_size=64), tokenizer, train, held_out
 
 
+def video_demo_model_and_data():
+    from trl_unified.testing import build_video, build_vision_language_model
+
+    def row(i):
+        trend = "brighter" if i % 2 else "darker"
+        return {
+            "prompt": [{"role": "user", "content": "brighter or darker ?"}],
+            "completion": [{"role": "assistant", "content": f"<answer> {trend} </answer>"}],
+            "videos": [build_video(trend, seed=i)],  # 4 frames of 56x56; only their order tells the answer
+        }
+
+    model, processor = build_vision_language_model(
+        ["brighter", "or", "darker", "?", "<answer>", "</answer>"], video=True
+    )
+    train = Dataset.from_list([row(i) for i in range(64)])
+    held_out = Dataset.from_list([row(1000 + i) for i in range(16)])
+    return model, processor, train, held_out
+
+
 def main():
     demo = "--model_name_or_path" not in " ".join(sys.argv) and "--config" not in sys.argv
     parser = TrlParser((GRMScriptArguments, GRMConfig, ModelConfig))
     if demo:
         parser.set_defaults(**DEMO_DEFAULTS)
+        if "--video" in sys.argv:
+            parser.set_defaults(output_dir="outputs/grm-video-demo", max_steps=40, logging_steps=10)
     script_args, training_args, model_args = parser.parse_args_and_config()
 
-    if demo:
+    if demo and script_args.video:
+        model, processing_class, train_dataset, eval_dataset = video_demo_model_and_data()
+    elif demo:
         model, processing_class, train_dataset, eval_dataset = demo_model_and_data()
     else:
         model = model_args.model_name_or_path

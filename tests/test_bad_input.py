@@ -662,3 +662,24 @@ def test_max_length_that_cuts_image_tokens_raises_before_the_first_update(name, 
     with pytest.raises(ValueError, match=r"max_length=8 cuts a prompt of \d+ tokens with its image tokens"):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+@pytest.mark.parametrize("model_kind", ["text", "vlm_without_video_processor"])
+def test_video_rows_need_a_video_capable_model_and_processor(model_kind, tmp_path):
+    from trl_unified import GRMConfig, GRMTrainer
+
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "a"}],
+            "completion": [{"role": "assistant", "content": "b"}],
+            "videos": [[[[[0, 0, 0]]]]],  # one 1x1 frame
+        }
+    ]
+    if model_kind == "text":
+        tokenizer = build_tokenizer()
+        model, processing_class, match = build_causal_lm(tokenizer), tokenizer, "is not a vision-language model"
+    else:
+        (model, processing_class), match = build_vision_language_model(), "has no video processor"
+    args = GRMConfig(output_dir=str(tmp_path), bf16=False, report_to=[])
+    with pytest.raises(ValueError, match=rf"video column \(\['videos'\]\).*{match}"):
+        GRMTrainer(model, args=args, train_dataset=Dataset.from_list(rows), processing_class=processing_class)

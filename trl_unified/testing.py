@@ -140,17 +140,19 @@ VL_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + ' ' }}"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|> ' }}"
+    "{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|> ' }}"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
     "{{ ' <|im_end|> ' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant ' }}{% endif %}"
 )
 
 
-def build_vision_language_model(words: list[str] | None = None, seed: int = 0):
+def build_vision_language_model(words: list[str] | None = None, seed: int = 0, video: bool = False):
     """A tiny Qwen2-VL model (1 vision block, 2 text layers) and its processor (PIL image processor, no torchvision).
 
     Returns `(model, processor)`. transformers 5.x checks a processor's parts against the torchvision-backed base
     classes when torchvision is absent and fails; the check is skipped while the processor is built (the PIL image
-    processor itself needs no torchvision).
+    processor itself needs no torchvision). `video=True` adds Qwen2-VL's video processor (frames of at most 56x56,
+    2 frames per temporal patch), which needs torchvision (`pip install trl_unified[vision]`).
     """
     import torch
     from transformers import ProcessorMixin, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
@@ -173,11 +175,25 @@ def build_vision_language_model(words: list[str] | None = None, seed: int = 0):
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2
     )
+    video_processor = None
+    if video:
+        from transformers import Qwen2VLVideoProcessor
+
+        video_processor = Qwen2VLVideoProcessor(
+            size={"shortest_edge": 28 * 28, "longest_edge": 56 * 56},
+            patch_size=14,
+            merge_size=2,
+            temporal_patch_size=2,
+            cap_pixels_per_frame=False,
+        )
     check = ProcessorMixin.check_argument_for_proper_class
     ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: type(arg)
     try:
         processor = Qwen2VLProcessor(
-            image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=VL_CHAT_TEMPLATE
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            video_processor=video_processor,
+            chat_template=VL_CHAT_TEMPLATE,
         )
     finally:
         ProcessorMixin.check_argument_for_proper_class = check
@@ -232,6 +248,19 @@ def build_image(seed: int = 0, size: int = 56):
     from PIL import Image
 
     return Image.fromarray((np.random.default_rng(seed).random((size, size, 3)) * 255).astype("uint8"))
+
+
+def build_video(trend: str, seed: int = 0, frames: int = 4, size: int = 56):
+    """`(frames, size, size, 3)` uint8 frames of a random texture that gets `"brighter"` or `"darker"` from frame to
+    frame (the toy task of the video judge tests: only the order of the frames tells the answer)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    texture = rng.random((size, size, 3)) * 60
+    levels = rng.uniform(20, 80) + 30 * np.arange(frames)  # the same levels either way, in opposite orders
+    levels = levels if trend == "brighter" else levels[::-1]
+    video = [texture + level + rng.normal(0, 5, (size, size, 3)) for level in levels]
+    return np.clip(np.stack(video), 0, 255).astype("uint8")
 
 
 def trl_chat_template(name: str) -> str:

@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 
 
 IMAGE_COLUMNS = ("image", "images")
+VIDEO_COLUMNS = ("video", "videos")
 
 
 def is_conversational_prompt(prompt: Any) -> bool:
@@ -46,6 +47,16 @@ def get_images(row: dict[str, Any]) -> list | None:
         return list(row["images"]) or None
     if row.get("image") is not None:
         return [row["image"]]
+    return None
+
+
+def get_videos(row: dict[str, Any]) -> list | None:
+    """The videos of a row (`videos` list or single `video`), or None. A video is a path, an array of frames
+    `(T, H, W, C)`, or a list of frames (PIL images or `(H, W, C)` arrays)."""
+    if row.get("videos") is not None:
+        return list(row["videos"]) or None
+    if row.get("video") is not None:
+        return [row["video"]]
     return None
 
 
@@ -257,8 +268,27 @@ def dataset_columns(dataset) -> list[str]:
 
 
 def check_images_fit(dataset, processing_class, model) -> None:
-    """Rows with images need a vision-language model and a processor with an image processor (TRL's wording first)."""
+    """Rows with images or videos need a vision-language model and a processor with an image (video) processor
+    (TRL's wording first); video rows must be readable (see `vision.check_videos`)."""
     names = dataset_columns(dataset) if dataset is not None else []
+    videos = [c for c in names if c in VIDEO_COLUMNS]
+    if videos:
+        from .vision import check_videos
+
+        config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+        if getattr(config, "vision_config", None) is None:
+            raise ValueError(
+                f"The dataset has a video column ({videos}), but {type(model).__name__} is not a vision-language "
+                "model (no vision_config). Use a video-capable vision-language model (e.g. Qwen2-VL), or drop the "
+                "column."
+            )
+        if getattr(processing_class, "video_processor", None) is None:
+            raise ValueError(
+                f"The dataset has a video column ({videos}), but the processing class "
+                f"({type(processing_class).__name__}) has no video processor. Pass the model's AutoProcessor with its "
+                "video processor (transformers' video processors need torchvision: pip install trl_unified[vision])."
+            )
+        check_videos(dataset)
     if not any(c in names for c in IMAGE_COLUMNS):
         return
     config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config

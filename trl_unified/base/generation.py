@@ -12,6 +12,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase, ProcessorMix
 from .data import is_conversational_prompt, pad
 from .models import get_tokenizer
 from .prefix import PrefixSharingUnsupported, cache_kwarg, encode_prefix, group_prompts, report_fallback
+from .vision import processor_visual_kwargs
 
 
 @dataclass
@@ -285,18 +286,22 @@ def prompt_lengths(processing_class, prompts, chat_template_kwargs=None) -> list
     return [len(e["input_ids"]) for e in encoded]
 
 
-def _encode_prompts(processing_class, prompts, images, chat_template_kwargs) -> list[dict[str, Any]]:
-    """Tokenise each prompt to a dict (`input_ids` list, plus image tensors for processors)."""
-    if images is not None:
+def _encode_prompts(processing_class, prompts, images, chat_template_kwargs, videos=None) -> list[dict[str, Any]]:
+    """Tokenise each prompt to a dict (`input_ids` list, plus image / video tensors for processors)."""
+    if images is not None or videos is not None:
         texts = [
             processing_class.apply_chat_template(p, add_generation_prompt=True, tokenize=False, **chat_template_kwargs)
             if is_conversational_prompt(p)
             else p
             for p in prompts
         ]
+        images = images if images is not None else [None] * len(texts)
+        videos = videos if videos is not None else [None] * len(texts)
         return [
-            dict(processing_class(text=[t], images=imgs or None, return_tensors="pt"))
-            for t, imgs in zip(texts, images, strict=True)
+            dict(
+                processing_class(text=[t], **processor_visual_kwargs([imgs or []], [vids or []]), return_tensors="pt")
+            )
+            for t, imgs, vids in zip(texts, images, videos, strict=True)
         ]
     if prompts and is_conversational_prompt(prompts[0]):
         encoded = processing_class.apply_chat_template(
@@ -397,6 +402,7 @@ def generate_batched(
     accelerator=None,
     gather_deepspeed3_params: bool = True,
     images: Sequence[list | None] | None = None,
+    videos: Sequence[list | None] | None = None,
     pad_to_multiple_of: int | None = None,
     chat_template_kwargs: dict | None = None,
     eos_token_ids: Sequence[int] | None = None,
@@ -429,6 +435,9 @@ def generate_batched(
             Gather ZeRO-3 parameters once per call (fast, needs the whole model in memory) instead of per layer.
         images (`list[list[PIL.Image] | None]`, *optional*):
             Images per prompt, for vision-language models with a processor.
+        videos (`list[list | None]`, *optional*):
+            Videos per prompt (each a list of frames, a `(T, H, W, C)` array or a path; see `base/vision.py`), for
+            vision-language models whose processor has a video processor.
         pad_to_multiple_of (`int`, *optional*):
             Pad each chunk's prompt length to a multiple of this.
         chat_template_kwargs (`dict`, *optional*):
@@ -459,7 +468,7 @@ def generate_batched(
         list(eos_token_ids) if eos_token_ids is not None else get_eos_token_ids(unwrapped_for_config, tokenizer)
     )
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    encoded = _encode_prompts(processing_class, prompts, images, chat_template_kwargs or {})
+    encoded = _encode_prompts(processing_class, prompts, images, chat_template_kwargs or {}, videos)
     empty = [i for i, e in enumerate(encoded) if torch.as_tensor(e["input_ids"]).numel() == 0]
     if empty:
         raise ValueError(
@@ -477,7 +486,7 @@ def generate_batched(
             generation_config = copy.deepcopy(generation_config)
             generation_config.decoder_start_token_id = unwrapped.config.decoder_start_token_id
         if continuous_batching is not None:
-            if images is not None or is_encoder_decoder:
+            if images is not None or videos is not None or is_encoder_decoder:
                 raise ValueError(
                     "continuous batching (use_transformers_continuous_batching) supports text-only decoder models; "
                     "turn it off for vision-language or encoder-decoder models."
@@ -521,7 +530,7 @@ def generate_batched(
             prompt_token_inputs[key] = pad([e[key].view(-1) for e in encoded], 0, "left", pad_to_multiple_of).to(
                 device
             )
-    if images is not None:
+    if images is not None or videos is not None:
         image_inputs = [
             {
                 k: v

@@ -10,6 +10,7 @@ from .answers import extract_answer
 from .data import is_conversational_prompt
 from .generation import generate_batched, get_eos_token_ids
 from .models import from_pretrained_checked, get_tokenizer, load_model_plain
+from .vision import prepare_visual_messages
 
 
 SCORE_TEMPLATE = (
@@ -41,6 +42,8 @@ class GRMReward:
       the dataset column `reference_field`); "A" (completion better) -> 1.0, "B" -> 0.0, "tie" -> 0.5.
 
     An answer that cannot be parsed or mapped gives `None` (the trainer then ignores that row for this function).
+    Rows with images or videos (dataset columns `images` / `image` / `videos` / `video`, which trainers pass to
+    reward functions) show them to the judge before the question (a vision-language judge and its processor).
 
     Args:
         judge (`str` or `PreTrainedModel`): the GRM, as a model id/path or a model.
@@ -102,10 +105,14 @@ class GRMReward:
         self.__name__ = "grm_judge"  # the name trainers log its reward under
         self.last_judgments: list[str] = []
 
-    def _judge_prompts(self, prompts, completions, references):
+    def _judge_prompts(self, prompts, completions, references, images=None, videos=None):
         tokenizer = get_tokenizer(self.processing_class)
+        images = images or [None] * len(prompts)
+        videos = videos or [None] * len(prompts)
         out = []
-        for prompt, completion, reference in zip(prompts, completions, references, strict=True):
+        for prompt, completion, reference, row_images, row_videos in zip(
+            prompts, completions, references, images, videos, strict=True
+        ):
             text = self.template.format(
                 prompt=_as_text(prompt),
                 completion=_as_text(completion),
@@ -113,7 +120,10 @@ class GRMReward:
                 low=int(self.low) if float(self.low).is_integer() else self.low,
                 high=int(self.high) if float(self.high).is_integer() else self.high,
             )
-            out.append([{"role": "user", "content": text}] if tokenizer.chat_template else text)
+            if row_images or row_videos:  # the judge sees the row's images / videos before the question
+                out.append(prepare_visual_messages([{"role": "user", "content": text}], row_images, row_videos))
+            else:
+                out.append([{"role": "user", "content": text}] if tokenizer.chat_template else text)
         return out
 
     def to_reward(self, answer: str | None) -> float | None:
@@ -134,9 +144,20 @@ class GRMReward:
         if self.mode == "pairwise" and references is None:
             raise ValueError(f"GRMReward(mode='pairwise') needs the dataset column {self.reference_field!r}.")
         references = references if references is not None else [None] * len(prompts)
-        judge_prompts = self._judge_prompts(prompts, completions, references)
+        images, videos = kwargs.get("images"), kwargs.get("videos")  # dataset columns of vision-language rows
+        if images is None and kwargs.get("image") is not None:
+            images = [[image] for image in kwargs["image"]]
+        if videos is None and kwargs.get("video") is not None:
+            videos = [[video] for video in kwargs["video"]]
+        judge_prompts = self._judge_prompts(prompts, completions, references, images, videos)
         out = generate_batched(
-            self.judge, self.processing_class, judge_prompts, self.generation_config, batch_size=self.batch_size
+            self.judge,
+            self.processing_class,
+            judge_prompts,
+            self.generation_config,
+            batch_size=self.batch_size,
+            images=images if images is not None and any(images) else None,
+            videos=videos if videos is not None and any(videos) else None,
         )
         self.last_judgments = out.texts
         return [self.to_reward(extract_answer(text, self.answer_extractor)) for text in out.texts]

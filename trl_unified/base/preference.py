@@ -190,7 +190,7 @@ class PreferenceTrainer(PolicyTrainerBase):
 
     def _batch_columns(self) -> list[str]:
         """The columns the collator reads: the subclass's, and those of rows with images (`base/vision.py`)."""
-        return [*self.signature_columns, "prompt_text", "images", "image"]
+        return [*self.signature_columns, "prompt_text", "images", "image", "videos", "video"]
 
     # ------------------------------------------------------------------ log-probs
     def completion_logps(self, model, sequences: SequenceBatch, stats: bool = False):

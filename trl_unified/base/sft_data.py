@@ -9,8 +9,16 @@ import torch
 from trl import prepare_multimodal_messages
 
 from .batch import TensorBatch, scalar_field
-from .data import get_images, is_conversational_prompt, pad, split_prompt_completion, tokenize_prompt_completion
+from .data import (
+    get_images,
+    get_videos,
+    is_conversational_prompt,
+    pad,
+    split_prompt_completion,
+    tokenize_prompt_completion,
+)
 from .models import get_tokenizer
+from .vision import prepare_visual_messages, processor_visual_kwargs
 
 
 def tokenize_sft_row(row: dict[str, Any], index: int, processing_class, args) -> dict[str, list[int]]:
@@ -90,13 +98,13 @@ class SFTCollator:
 
     def _collate_multimodal(self, rows):
         kwargs = self.args.chat_template_kwargs or {}
-        full_texts, prompt_texts, images = [], [], []
+        full_texts, prompt_texts, images, videos = [], [], [], []
         for row in rows:
             prompt, completion = split_prompt_completion(row, self.args.dataset_text_field)
             if not is_conversational_prompt(prompt):
-                raise ValueError("Rows with images need conversational prompts (lists of messages).")
-            row_images = get_images(row) or []
-            prompt = prepare_multimodal_messages(prompt, images=row_images)
+                raise ValueError("Rows with images or videos need conversational prompts (lists of messages).")
+            row_images, row_videos = get_images(row) or [], get_videos(row) or []
+            prompt = prepare_visual_messages(prompt, row_images, row_videos)
             completion = prepare_multimodal_messages(completion, images=[])
             prompt_texts.append(
                 self.processing_class.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **kwargs)
@@ -105,15 +113,22 @@ class SFTCollator:
             if not full_texts[-1].startswith(prompt_texts[-1]):
                 raise ValueError("The chat template's generation prompt is not a prefix of the assistant turn.")
             images.append(row_images)
+            videos.append(row_videos)
         batch = self.processing_class(
-            text=full_texts, images=images, padding=True, padding_side="right", return_tensors="pt"
+            text=full_texts,
+            **processor_visual_kwargs(images, videos),
+            padding=True,
+            padding_side="right",
+            return_tensors="pt",
         )
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        for i, (text, row_images) in enumerate(zip(prompt_texts, images, strict=True)):
-            prompt_len = self.processing_class(text=[text], images=[row_images], return_tensors="pt")[
-                "input_ids"
-            ].size(1)
-            labels[i, :prompt_len] = -100
+        # The expanded prompt length: the row's length minus its completion tokens (which hold no image or video
+        # placeholder), counted by the tokenizer alone, so the images and videos are processed once.
+        for i, (full_text, prompt_text) in enumerate(zip(full_texts, prompt_texts, strict=True)):
+            completion_len = len(self.tokenizer(full_text, add_special_tokens=False)["input_ids"]) - len(
+                self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+            )
+            labels[i, : int(batch["attention_mask"][i].sum()) - completion_len] = -100
         if self.args.max_length is not None and batch["input_ids"].size(1) > self.args.max_length:
             raise ValueError(
                 f"A vision-language row has {batch['input_ids'].size(1)} tokens, more than max_length="

@@ -21,6 +21,7 @@ from .data import (
     column_names,
     configure_iterable_loading,
     get_images,
+    get_videos,
     has_iterable,
 )
 from .generation import build_generation_config, generate_batched, get_eos_token_ids
@@ -255,7 +256,13 @@ class PolicyTrainerBase(Trainer):
         return config
 
     def generate(
-        self, prompts, images=None, do_sample: bool = True, max_new_tokens: int | None = None, batch_size=None
+        self,
+        prompts,
+        images=None,
+        do_sample: bool = True,
+        max_new_tokens: int | None = None,
+        batch_size=None,
+        videos=None,
     ):
         """`generate_batched` with the policy, this trainer's accelerator and generation settings."""
         return generate_batched(
@@ -266,6 +273,7 @@ class PolicyTrainerBase(Trainer):
             batch_size=batch_size,
             accelerator=self.accelerator,
             images=images,
+            videos=videos,
             chat_template_kwargs=self.args.chat_template_kwargs,
             eos_token_ids=self.eos_token_ids,
             **self.generation_options(),
@@ -418,10 +426,11 @@ class PolicyTrainerBase(Trainer):
     def generate_eval_texts(self, rows: list[dict], prompts: list) -> list[str]:
         """The texts generative evaluation reads answers from (greedy unless `eval_do_sample`). Every process
         generates, even with no rows: under ZeRO-3 the parameter gather is a collective."""
-        images = [get_images(row) for row in rows]
+        images, videos = [get_images(row) for row in rows], [get_videos(row) for row in rows]
         return self.generate(
             prompts,
             images=images if any(img is not None for img in images) else None,
+            videos=videos if any(video is not None for video in videos) else None,
             do_sample=self.args.eval_do_sample,
             max_new_tokens=self.args.eval_max_new_tokens,
             batch_size=self.args.per_device_eval_batch_size,

@@ -1,31 +1,120 @@
-"""Vision-language rows for the offline data layers: rendering a conversation with its image placeholders, and
-encoding a batch of prompts with their images through the model's processor.
+"""Vision-language rows for the data layers: rendering a conversation with its image and video placeholders, and
+encoding a batch of prompts with their images and videos through the model's processor.
 
 TRL's conventions: a row carries its images in an `images` list (or one `image`), its prompt is a conversation, and
-`trl.prepare_multimodal_messages` puts one `{"type": "image"}` part per image before the first user text. The
-processor expands each placeholder into the model's image tokens and returns the image tensors (`pixel_values`,
-and e.g. `image_grid_thw`, `image_sizes`), laid out per image in row order, and per-token inputs aligned with
-`input_ids` (e.g. Gemma 3's `token_type_ids`). Images are processed when a batch is collated, as in TRL (processing
-them once in `Dataset.map` would store every pixel on disk).
+`trl.prepare_multimodal_messages` puts one `{"type": "image"}` part per image before the first user text. Videos
+follow the same pattern (TRL has no video rows): a `videos` list (or one `video`), one `{"type": "video"}` part per
+video after the image parts, unless the first user message already holds video parts. A video is a list of frames
+(PIL images or `(H, W, C)` arrays), an array `(T, H, W, C)`, or a path the processor decodes (transformers'
+`load_video`, which needs a decoding backend such as PyAV). The processor expands each placeholder into the model's
+image / video tokens and returns the tensors (`pixel_values`, `pixel_values_videos`, and e.g. `image_grid_thw`,
+`video_grid_thw`, `image_sizes`), laid out per image / video in row order, and per-token inputs aligned with
+`input_ids` (e.g. Gemma 3's `token_type_ids`). Images and videos are processed when a batch is collated, as in TRL
+(processing them once in `Dataset.map` would store every pixel on disk).
 """
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from trl import prepare_multimodal_messages
 
-from .data import get_images
+from .data import get_images, get_videos
 
 
 def has_images(row: dict[str, Any]) -> bool:
-    return "images" in row or "image" in row
+    """Whether a row carries images or videos (its columns; the values may be empty)."""
+    return any(key in row for key in ("images", "image", "videos", "video"))
 
 
-def render_conversation(processing_class, messages, images=None, **template_kwargs) -> str:
-    """The chat-template text of `messages`, with one image placeholder per image of `images` (TRL's layout)."""
+def prepare_visual_messages(messages, images=None, videos=None) -> list[dict[str, Any]]:
+    """`trl.prepare_multimodal_messages` (one image part per image before the first user text), then one video part
+    per video after them, unless the messages already hold video parts."""
     messages = prepare_multimodal_messages(messages, images=images or [])
+    has_video_parts = any(
+        isinstance(part, dict) and part.get("type") == "video"
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+    )
+    if not videos or has_video_parts:
+        return messages
+    first_user = next(i for i, message in enumerate(messages) if message["role"] == "user")
+    content = messages[first_user]["content"]
+    after_images = sum(1 for part in content if part.get("type") == "image")
+    parts = [{"type": "video"} for _ in videos]
+    messages = list(messages)
+    messages[first_user] = {
+        **messages[first_user],
+        "content": [*content[:after_images], *parts, *content[after_images:]],
+    }
+    return messages
+
+
+def render_conversation(processing_class, messages, images=None, videos=None, **template_kwargs) -> str:
+    """The chat-template text of `messages`, with one placeholder per image and per video."""
+    messages = prepare_visual_messages(messages, images, videos)
     return processing_class.apply_chat_template(messages, tokenize=False, **template_kwargs)
+
+
+def _frame(value):
+    """A frame as stored: a PIL image, an array, or the `{"bytes", "path"}` dict `datasets` keeps for PIL images
+    nested in lists (decoded here)."""
+    if isinstance(value, dict) and ("bytes" in value or "path" in value):
+        import io
+
+        from PIL import Image
+
+        return Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"])
+    return value
+
+
+def as_video(value):
+    """A video as the processor takes it: a path as is, a list of PIL frames as PIL frames, anything else as an
+    array."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and (isinstance(value[0], dict) or hasattr(value[0], "convert")):
+        return [_frame(frame) for frame in value]
+    array = np.asarray(value)
+    return array.astype(np.uint8) if array.dtype.kind in "iu" else array
+
+
+def processor_visual_kwargs(images: list[list], videos: list[list] | None = None) -> dict[str, Any]:
+    """`images=` / `videos=` for one processor call over a batch (None where no row has any: processors need at
+    least one)."""
+    kwargs = {"images": images if any(images) else None}
+    if videos is not None and any(videos):
+        kwargs["videos"] = [as_video(video) for row in videos for video in row]
+    return kwargs
+
+
+def check_videos(dataset) -> None:
+    """Before training: every video path exists, and the frames of a video given as a list have one size (a
+    processor cannot stack frames of different sizes). An iterable dataset is checked on its first row."""
+    from datasets import IterableDataset
+
+    rows = [next(iter(dataset))] if isinstance(dataset, IterableDataset) else dataset
+    for index, row in enumerate(rows):
+        for video in get_videos(row) or []:
+            if isinstance(video, str):
+                if not os.path.exists(video) and "://" not in video:
+                    raise ValueError(f"Row {index}: video path {video!r} does not exist.")
+            elif isinstance(video, list) and video:
+                frames = [_frame(frame) for frame in video]
+                sizes = {f.size[::-1] if hasattr(f, "convert") else tuple(np.shape(f)[:2]) for f in frames}
+                if len(sizes) > 1:
+                    raise ValueError(
+                        f"Row {index}: the frames of a video have different sizes {sorted(sizes)}; give every frame "
+                        "of a video the same size (resize them when building the dataset)."
+                    )
+            elif np.ndim(video) != 4:
+                raise ValueError(
+                    f"Row {index}: a video must be a path, a list of frames or an array (T, H, W, C); got an array of "
+                    f"shape {np.shape(video)}."
+                )
 
 
 @dataclass
@@ -44,11 +133,11 @@ class EncodedPrompts:
     visual_inputs: dict[str, torch.Tensor]
 
 
-def encode_prompts(processing_class, texts: list[str], images: list[list]) -> EncodedPrompts:
-    """One processor call for the batch (`images[i]` are the images of `texts[i]`, possibly none)."""
+def encode_prompts(processing_class, texts: list[str], images: list[list], videos=None) -> EncodedPrompts:
+    """One processor call for the batch (`images[i]` / `videos[i]` are those of `texts[i]`, possibly none)."""
     out = processing_class(
         text=texts,
-        images=images if any(images) else None,
+        **processor_visual_kwargs(images, videos),
         padding=True,
         padding_side="left",
         return_tensors="pt",
@@ -68,3 +157,7 @@ def encode_prompts(processing_class, texts: list[str], images: list[list]) -> En
 
 def row_images(row: dict[str, Any]) -> list:
     return list(get_images(row) or [])
+
+
+def row_videos(row: dict[str, Any]) -> list:
+    return list(get_videos(row) or [])

@@ -17,13 +17,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from datasets import IterableDataset
-from trl import prepare_multimodal_messages
 
 from ..base.answers import extract_answer
 from ..base.config import PolicyConfig, document_fields
-from ..base.data import dataset_columns, get_images, is_conversational_prompt, split_prompt_completion
+from ..base.data import (
+    dataset_columns,
+    get_images,
+    get_videos,
+    is_conversational_prompt,
+    split_prompt_completion,
+)
 from ..base.sft_data import SFTBatch, SFTCollator, tokenize_sft_row
 from ..base.trainer import PolicyTrainerBase
+from ..base.vision import prepare_visual_messages
 
 
 @document_fields
@@ -158,8 +164,8 @@ class GRMTrainer(PolicyTrainerBase):
                 "(the judgment), 'messages' (the judgment as the last assistant turn), "
                 f"or {args.dataset_text_field!r}."
             )
-        if any(c in columns for c in ("image", "images")):
-            return dataset  # vision-language rows are tokenised with their images in the collator
+        if any(c in columns for c in ("image", "images", "video", "videos")):
+            return dataset  # vision-language rows are tokenised with their images / videos in the collator
         # IterableDataset.map takes neither num_proc nor desc: streaming rows are tokenised as they are read.
         map_kwargs = {} if streaming else {"num_proc": args.dataset_num_proc, "desc": f"Tokenizing {name} dataset"}
         return dataset.map(
@@ -192,6 +198,8 @@ class GRMTrainer(PolicyTrainerBase):
                 "messages",
                 "image",
                 "images",
+                "video",
+                "videos",
                 self.args.dataset_text_field,
             ]
 
@@ -222,8 +230,8 @@ class GRMTrainer(PolicyTrainerBase):
     # ------------------------------------------------------------------ generative evaluation
     def eval_prompt(self, row):
         prompt, _ = split_prompt_completion(row, self.args.dataset_text_field)
-        images = get_images(row)
-        return prepare_multimodal_messages(prompt, images=images) if images else prompt
+        images, videos = get_images(row), get_videos(row)
+        return prepare_visual_messages(prompt, images, videos) if images or videos else prompt
 
     def reference_answer(self, row):
         value = row.get(self.args.eval_answer_field)
