@@ -53,6 +53,13 @@ def prepare_visual_messages(messages, images=None, videos=None) -> list[dict[str
     return messages
 
 
+def with_row_visuals(prompt, row: dict[str, Any]):
+    """`prompt` with the placeholders of `row`'s images and videos (unchanged for a text row): the prompt a
+    vision-language model is given for generation."""
+    images, videos = get_images(row), get_videos(row)
+    return prepare_visual_messages(prompt, images, videos) if images or videos else prompt
+
+
 def render_conversation(processing_class, messages, images=None, videos=None, **template_kwargs) -> str:
     """The chat-template text of `messages`, with one placeholder per image and per video."""
     messages = prepare_visual_messages(messages, images, videos)

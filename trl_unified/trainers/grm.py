@@ -22,14 +22,12 @@ from ..base.answers import extract_answer
 from ..base.config import PolicyConfig, document_fields
 from ..base.data import (
     dataset_columns,
-    get_images,
-    get_videos,
     is_conversational_prompt,
     split_prompt_completion,
 )
 from ..base.sft_data import SFTBatch, SFTCollator, tokenize_sft_row
 from ..base.trainer import PolicyTrainerBase
-from ..base.vision import prepare_visual_messages
+from ..base.vision import with_row_visuals
 
 
 @document_fields
@@ -230,8 +228,7 @@ class GRMTrainer(PolicyTrainerBase):
     # ------------------------------------------------------------------ generative evaluation
     def eval_prompt(self, row):
         prompt, _ = split_prompt_completion(row, self.args.dataset_text_field)
-        images, videos = get_images(row), get_videos(row)
-        return prepare_visual_messages(prompt, images, videos) if images or videos else prompt
+        return with_row_visuals(prompt, row)
 
     def reference_answer(self, row):
         value = row.get(self.args.eval_answer_field)
