@@ -129,9 +129,13 @@ def test_grpo_demo_trains_and_saves(tmp_path):
 
 
 def test_dpo_and_kto_demos_learn_and_save(tmp_path):
-    for name, trainer in (("dpo.py", "DPO"), ("kto.py", "KTO")):
+    from concurrent.futures import ThreadPoolExecutor
+
+    demos = (("dpo.py", "DPO"), ("kto.py", "KTO"))
+    with ThreadPoolExecutor(2) as pool:  # two independent 1-thread processes, side by side
+        results = list(pool.map(lambda d: run_example(d[0], ["--output_dir", str(tmp_path / d[0])], tmp_path), demos))
+    for (name, trainer), result in zip(demos, results):
         out = tmp_path / name
-        result = run_example(name, ["--output_dir", str(out)], tmp_path)
         start, end = (float(v) for v in result.stdout.split("held-out reward margin:")[1].split()[0:3:2])
         assert start == 0.0 and end > 0.5, result.stdout  # policy = reference before training: margin 0
         for file in ("model.safetensors", "tokenizer.json", "README.md", "rewards.png"):

@@ -37,7 +37,17 @@ def run(kind, out, mode):
     return finish(start(kind, out, mode))
 
 
-@pytest.mark.parametrize("kind", ["rloo", "rloo_mu2", "grm", "dpo", "dpo_precompute", "ppo"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "rloo",
+        pytest.param("rloo_mu2", marks=pytest.mark.slow),  # a variant of "rloo" (num_iterations=2): -m slow
+        "grm",
+        "dpo",
+        pytest.param("dpo_precompute", marks=pytest.mark.slow),  # a variant of "dpo": -m slow
+        "ppo",
+    ],
+)
 def test_resume_after_sigkill_matches_uninterrupted_run(kind, tmp_path):
     # the uninterrupted run and the run to be killed are independent (own folders, 1 thread each): side by side
     full, killed = start(kind, tmp_path / "full", "full"), start(kind, tmp_path / "interrupted", "kill")
