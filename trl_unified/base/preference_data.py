@@ -23,7 +23,7 @@ from trl import extract_prompt, is_conversational, unpair_preference_dataset
 from .batch import TensorBatch, scalar_field
 from .data import column_names, pad
 from .models import get_tokenizer
-from .vision import EncodedPrompts, encode_prompts, has_images, render_conversation, row_images, row_videos
+from .vision import EncodedPrompts, encode_prompts, has_visuals, render_conversation, row_images, row_videos
 
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ def prepare_preference_dataset(dataset, processing_class, args, name: str, paire
     if not paired and "chosen" in first:
         dataset = unpair_preference_dataset(dataset, **map_kwargs)
     keys = ("chosen", "rejected") if paired else ("completion",)
-    if has_images(first):  # the images stay in the rows; the collator processes them (see base/vision.py)
+    if has_visuals(first):  # images and videos stay in the rows; the collator processes them (base/vision.py)
         return dataset.map(
             split_completions_with_images, fn_kwargs={"processing_class": processing_class, "keys": keys}, **map_kwargs
         )

@@ -24,7 +24,7 @@ from trl import prepare_multimodal_messages
 from .data import get_images, get_videos
 
 
-def has_images(row: dict[str, Any]) -> bool:
+def has_visuals(row: dict[str, Any]) -> bool:
     """Whether a row carries images or videos (its columns; the values may be empty)."""
     return any(key in row for key in ("images", "image", "videos", "video"))
 
@@ -103,7 +103,10 @@ def check_videos(dataset) -> None:
     processor cannot stack frames of different sizes). An iterable dataset is checked on its first row."""
     from datasets import IterableDataset
 
-    rows = [next(iter(dataset))] if isinstance(dataset, IterableDataset) else dataset
+    if isinstance(dataset, IterableDataset):
+        rows = [next(iter(dataset))]
+    else:  # only the video columns are read
+        rows = dataset.select_columns([c for c in ("video", "videos") if c in dataset.column_names])
     for index, row in enumerate(rows):
         for video in get_videos(row) or []:
             if isinstance(video, str):
