@@ -6,7 +6,8 @@ Model: Qwen2-style, 33.8M parameters, built locally (random weights, 8k word-lev
 - short: prompts of 8-16 words, batch 8, num_generations 4;
 - long: prompts of ~200 words, batch 16, num_generations 8 (2 distinct prompts per step).
 Each trainer runs in its own fresh subprocess (so peak RSS is its own), TRL then ours, `--repeats` times alternating.
-Reported per workload: median seconds per step (first step excluded), generated tokens per second, peak RSS, and
+Reported per workload: median seconds per step (first step excluded), generated tokens per second, peak RSS, where
+the time goes (generation, reference forward, optimiser, the rest: policy forward+backward), and
 
     ratio workload=short step_time=X peak_rss=Y
     ratio workload=long step_time=X peak_rss=Y
@@ -14,7 +15,7 @@ Reported per workload: median seconds per step (first step excluded), generated 
 (ours / TRL's); a run of one workload ends with `ratio step_time=X peak_rss=Y`.
 
 Usage: python benchmarks/{rloo,grpo}_vs_trl.py [--workload both] [--threads 2] [--steps 10] [--repeats 1]
-    [--shared_prefix auto|false]
+    [--shared_prefix auto|false] [--lean_decoding true|false]
 """
 
 import argparse
@@ -68,7 +69,7 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
     """Train `steps` steps of `trainer` ("rloo"/"grpo") with `impl` ("trl" or "ours"); timings to `out`."""
     import torch
     from datasets import Dataset
-    from step_timer import StepTimer
+    from step_timer import PhaseTimer, StepTimer
     from transformers import PreTrainedTokenizerFast
 
     library = __import__("trl" if impl == "trl" else "trl_unified")
@@ -82,7 +83,7 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
     def reward(completions, **kwargs):
         return [c.count("w1") / max(1, len(c.split())) for c in completions]
 
-    timer = StepTimer()
+    timer, phases = StepTimer(), PhaseTimer()
     args = config_class(
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=workload["batch_size"],
@@ -99,6 +100,7 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
         seed=0,
         temperature=1.0,
         **({} if impl == "trl" or workload["shared_prefix"] is None else {"shared_prefix": workload["shared_prefix"]}),
+        **({} if impl == "trl" or workload["lean_decoding"] is None else {"lean_decoding": workload["lean_decoding"]}),
     )
     policy_trainer = trainer_class(
         model_path,
@@ -106,14 +108,19 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
         args=args,
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,
-        callbacks=[timer],
+        callbacks=[timer, phases],
     )
+    # generation: TRL's `_generate` (prompts -> completion ids) and ours `generate` (the same, via generate_batched)
+    phases.watch("generation", policy_trainer, "_generate" if impl == "trl" else "generate")
+    if policy_trainer.ref_model is not None:
+        phases.watch("reference", policy_trainer.ref_model)
     policy_trainer.train()
     history = policy_trainer.state.log_history
     lengths = [log["completions/mean_length"] for log in history if "completions/mean_length" in log]
     json.dump(
         {
             "times": timer.times,
+            "phases": phases.phases,
             "mean_completion_length": statistics.mean(lengths),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "threads": torch.get_num_threads(),
@@ -131,6 +138,7 @@ def main(trainer: str):
         "--workload", choices=["short", "long", "both"], default="both", help=f"{WORKLOADS} (default: both)"
     )
     parser.add_argument("--shared_prefix", choices=["auto", "false"], default=None, help="ours only (default: auto)")
+    parser.add_argument("--lean_decoding", choices=["true", "false"], default=None, help="ours only (default: true)")
     parser.add_argument("--child", nargs=4, metavar=("IMPL", "MODEL", "OUT", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -140,6 +148,7 @@ def main(trainer: str):
         workload = {
             **WORKLOADS[args.child[3]],
             "shared_prefix": {None: None, "auto": "auto", "false": False}[args.shared_prefix],
+            "lean_decoding": {None: None, "true": True, "false": False}[args.lean_decoding],
         }
         run_one(trainer, args.child[0], args.child[1], args.steps, args.child[2], workload)
         return
@@ -176,6 +185,7 @@ def compare(trainer, name, args, model_path, workdir, env):
                 "--steps",
                 str(args.steps),
                 *(["--shared_prefix", args.shared_prefix] if args.shared_prefix else []),
+                *(["--lean_decoding", args.lean_decoding] if args.lean_decoding else []),
                 "--child",
                 impl,
                 model_path,
@@ -191,8 +201,15 @@ def compare(trainer, name, args, model_path, workdir, env):
         tokens = workload["batch_size"] * statistics.median(r["mean_completion_length"] for r in runs)
         rss = statistics.median(r["peak_rss_mb"] for r in runs)
         summary[impl] = (step, tokens / step, rss)
+        phases = {
+            phase: statistics.median(statistics.median(r["phases"][phase][1:]) for r in runs)
+            for phase in runs[0]["phases"]
+        }
+        split = ", ".join(f"{phase} {seconds:.3f}" for phase, seconds in phases.items())
         print(
             f"{impl:>5} [{name}]: {step:.3f} s/step (median, first step excluded), {tokens / step:.0f} generated "
-            f"tokens/s, peak RSS {rss:.0f} MB  [{args.threads} threads, {args.steps} steps, {args.repeats} run(s)]"
+            f"tokens/s, peak RSS {rss:.0f} MB  [{args.threads} threads, {args.steps} steps, {args.repeats} run(s)]\n"
+            f"        where the time goes (s/step): {split}, policy forward+backward and the rest "
+            f"{step - sum(phases.values()):.3f}"
         )
     return summary["ours"][0] / summary["trl"][0], summary["ours"][2] / summary["trl"][2]

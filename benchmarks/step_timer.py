@@ -20,16 +20,17 @@ class StepTimer(TrainerCallback):
 
 
 class PhaseTimer(TrainerCallback):
-    """Where a step's time goes: `phases[name]` holds the seconds spent per step in the forwards of the modules given
-    to `watch(name, module)` (e.g. the reference model) and, as "optimiser", between the pre- and post-optimiser-step
-    events; what remains of a step is the policy's forward and backward (and the library's own work)."""
+    """Where a step's time goes: `phases[name]` holds the seconds spent per step in the calls watched with
+    `watch(name, obj, method)` (e.g. the reference model's forward, or a trainer's generation method) and, as
+    "optimiser", between the pre- and post-optimiser-step events; what remains of a step is the policy's forward and
+    backward (and the library's own work)."""
 
     def __init__(self):
         self.phases, self._current = {"optimiser": []}, {}
 
-    def watch(self, name: str, module) -> None:
+    def watch(self, name: str, obj, method: str = "forward") -> None:
         self.phases[name] = []
-        forward = module.forward
+        forward = getattr(obj, method)
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -38,7 +39,7 @@ class PhaseTimer(TrainerCallback):
             finally:
                 self._current[name] = self._current.get(name, 0.0) + time.perf_counter() - start
 
-        module.forward = timed
+        setattr(obj, method, timed)
 
     def on_step_begin(self, *args, **kwargs):
         self._current = {}

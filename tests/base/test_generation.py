@@ -68,27 +68,31 @@ def test_generate_batched_cuts_at_eos_in_real_generation(qwen2_model, tokenizer,
         return torch.cat([input_ids, tail[: input_ids.size(0)]], dim=1)
 
     monkeypatch.setattr(qwen2_model, "generate", fake_generate)
-    out = generate_batched(qwen2_model, tokenizer, ["a", "b c"], greedy(tokenizer))
+    out = generate_batched(qwen2_model, tokenizer, ["a", "b c"], greedy(tokenizer), lean_decoding=False)
     assert out.completion_ids_list == [[11, eos], [14, 15, 16, 17]]
     assert out.completion_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     assert out.is_truncated.tolist() == [False, True]
     assert out.texts[0] == tokenizer.decode([11])
 
 
-def test_generate_batched_restores_mode_and_checkpointing(qwen2_model, tokenizer):
+@pytest.mark.parametrize("lean_decoding", [True, False])
+def test_generate_batched_restores_mode_and_checkpointing(qwen2_model, tokenizer, lean_decoding):
     qwen2_model.gradient_checkpointing_enable()
     qwen2_model.train()
-    seen = {}
-    original = qwen2_model.generate
+    seen = set()
 
-    def spy(*args, **kwargs):
-        seen["training"] = qwen2_model.training
-        seen["checkpointing"] = qwen2_model.is_activation_checkpointing
-        return original(*args, **kwargs)
+    def spy(module, args):  # every forward of the decoding, lean loop or generate
+        seen.add(
+            (
+                module.training,
+                any(m.gradient_checkpointing for m in module.modules() if hasattr(m, "gradient_checkpointing")),
+            )
+        )
 
-    qwen2_model.generate = spy
-    generate_batched(qwen2_model, tokenizer, PROMPTS[:2], greedy(tokenizer))
-    assert seen == {"training": False, "checkpointing": False}
+    hook = qwen2_model.register_forward_pre_hook(spy)
+    generate_batched(qwen2_model, tokenizer, PROMPTS[:2], greedy(tokenizer), lean_decoding=lean_decoding)
+    hook.remove()
+    assert seen == {(False, False)}
     assert qwen2_model.training and qwen2_model.is_activation_checkpointing
 
 

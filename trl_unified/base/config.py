@@ -213,6 +213,16 @@ class PolicyConfig(TrainingArguments):
         },
     )
 
+    lean_decoding: bool = field(
+        default=True,
+        metadata={
+            "help": "trl_unified only. Decode with trl_unified's lean loop (base/decode.py: the same tokens as "
+            "model.generate, without its per-token bookkeeping) wherever the model and generation options allow it, "
+            "and on CPU multiply by float32 linear weights packed once per generation call (base/packed_weights.py). "
+            "Other cases use model.generate (the reason logged once). False: always model.generate."
+        },
+    )
+
     def __post_init__(self):
         if self.bf16 is None:
             self.bf16 = not self.fp16 and (self.use_cpu or _has_bf16_accelerator())

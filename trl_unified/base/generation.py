@@ -9,8 +9,10 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase, ProcessorMixin
 
+from . import decode
 from .data import is_conversational_prompt, pad
 from .models import get_tokenizer
+from .packed_weights import MIN_NEW_TOKENS, packed_linear_weights
 from .prefix import PrefixSharingUnsupported, cache_kwarg, encode_prefix, group_prompts, report_fallback
 from .vision import processor_visual_kwargs
 
@@ -351,11 +353,19 @@ def _check_fits_positions(model, encoded, generation_config) -> None:
         )
 
 
-def _generate_chunk(model, chunk: dict[str, Any], generation_config, shared_prefix: bool) -> torch.Tensor:
-    """`model.generate` on one chunk; with `shared_prefix`, each distinct prompt is prefilled once (base/prefix.py).
+def _generate_chunk(
+    model, chunk: dict[str, Any], generation_config, shared_prefix: bool, lean_obstacle: str | None
+) -> torch.Tensor:
+    """Prompt + new tokens for one chunk, as `model.generate` returns them.
 
-    The prefill covers every prompt position but the last, with the positions `generate` itself derives from the
-    attention mask, so `generate` continues from the cache exactly as it would have from its own prefill."""
+    Decoded by the lean loop (base/decode.py) unless `lean_obstacle` or the model / options rule it out, then by
+    `model.generate` (the reason logged once). With `shared_prefix`, each distinct prompt is prefilled once
+    (base/prefix.py): the prefill covers every prompt position but the last, with the positions `generate` itself
+    derives from the attention mask, so either loop continues from the cache exactly as from its own prefill."""
+    generation_config = generation_config or model.generation_config
+    lean_reason = lean_obstacle or decode.unsupported_reason(model, generation_config, chunk)
+    if lean_reason is not None:
+        decode.report_fallback(lean_reason)
     groups = None
     cache_implementation = getattr(generation_config, "cache_implementation", None)
     expands_rows = (getattr(generation_config, "num_beams", 1) or 1) > 1 or (
@@ -363,18 +373,37 @@ def _generate_chunk(model, chunk: dict[str, Any], generation_config, shared_pref
     ) > 1
     if shared_prefix and set(chunk) == {"input_ids", "attention_mask"} and cache_implementation is None:
         groups = None if expands_rows else group_prompts(chunk["input_ids"], chunk["attention_mask"])
+    ids, mask = chunk["input_ids"], chunk["attention_mask"]
+    cache = None
     if groups is not None:
-        ids, mask = chunk["input_ids"], chunk["attention_mask"]
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as GenerationMixin derives them
         try:
             cache = encode_prefix(model, ids, mask, ids.size(1) - 1, groups, position_ids=positions)
         except PrefixSharingUnsupported as e:
             report_fallback("generation", str(e))
-        else:
-            return model.generate(
-                input_ids=ids, attention_mask=mask, generation_config=generation_config, **{cache_kwarg(model): cache}
+    if lean_reason is None:
+        try:
+            return decode.lean_generate(
+                model, ids, mask, generation_config, cache, ids.size(1) - 1 if cache is not None else 0
             )
+        except decode.LeanDecodeUnsupported as e:
+            decode.report_fallback(str(e))
+            if cache is not None:  # the failed prefill may have written to it; build it again for generate
+                cache = encode_prefix(model, ids, mask, ids.size(1) - 1, groups, position_ids=positions)
+    if cache is not None:
+        return model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=generation_config, **{cache_kwarg(model): cache}
+        )
     return model.generate(**chunk, generation_config=generation_config)
+
+
+def _sharded_parameters(model, accelerator, gather_deepspeed3_params: bool) -> str | None:
+    """Why every process must run every decode step in step (generate's `synced_gpus`), or None."""
+    if _deepspeed_zero3(accelerator) and not gather_deepspeed3_params:
+        return "DeepSpeed ZeRO-3 parameters are gathered per layer (gather_deepspeed3_params=False)"
+    if any(hasattr(m, "unshard") or type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        return "FSDP parameters are gathered per layer"
+    return None
 
 
 def cut_after_eos(completion_ids: torch.Tensor, eos_token_ids: Sequence[int], pad_token_id: int):
@@ -408,6 +437,7 @@ def generate_batched(
     eos_token_ids: Sequence[int] | None = None,
     shared_prefix: bool = False,
     continuous_batching=None,
+    lean_decoding: bool = True,
 ) -> GenerationOutput:
     """Generate completions for many prompts in batches of `batch_size`, with left padding.
 
@@ -451,6 +481,11 @@ def generate_batched(
         continuous_batching (`transformers.ContinuousBatchingConfig`, *optional*):
             Generate with transformers' continuous batching (`model.generate_batch`, paged attention) instead of
             padded `generate` calls (text-only decoder models; `batch_size` is then ignored).
+        lean_decoding (`bool`, *optional*, defaults to `True`):
+            Decode with the lean loop of base/decode.py (the same tokens as `model.generate`, less work per token)
+            where the model and options allow it, `model.generate` elsewhere (the reason logged once); on CPU,
+            multiply by prepacked float32 linear weights while decoding (base/packed_weights.py). False: always
+            `model.generate`, with the model's own linear layers.
 
     Returns:
         `GenerationOutput`, rows in the order of `prompts`.
@@ -500,12 +535,19 @@ def generate_batched(
             if len(outputs) != len(encoded):
                 raise RuntimeError(f"Continuous batching returned {len(outputs)} of {len(encoded)} completions.")
             completions.extend(torch.tensor(o.generated_tokens, dtype=torch.long) for o in outputs.values())
-        for start in range(0, len(encoded) if continuous_batching is None else 0, batch_size):
-            chunk = _collate_chunk(encoded[start : start + batch_size], pad_token_id, pad_to_multiple_of, device)
-            sequences = _generate_chunk(unwrapped, chunk, generation_config, shared_prefix and not is_encoder_decoder)
-            # decoder-only: drop the prompt; encoder-decoder: drop the decoder start token
-            new_tokens = sequences[:, 1:] if is_encoder_decoder else sequences[:, chunk["input_ids"].size(1) :]
-            completions.extend(new_tokens.cpu())
+        lean_obstacle = None if lean_decoding else "lean_decoding=False"
+        lean_obstacle = lean_obstacle or _sharded_parameters(unwrapped, accelerator, gather_deepspeed3_params)
+        max_new_tokens = getattr(generation_config or unwrapped.generation_config, "max_new_tokens", None) or 0
+        pack = lean_decoding and continuous_batching is None and max_new_tokens >= MIN_NEW_TOKENS
+        with packed_linear_weights(unwrapped, min(batch_size, len(encoded)), enabled=pack):
+            for start in range(0, len(encoded) if continuous_batching is None else 0, batch_size):
+                chunk = _collate_chunk(encoded[start : start + batch_size], pad_token_id, pad_to_multiple_of, device)
+                sequences = _generate_chunk(
+                    unwrapped, chunk, generation_config, shared_prefix and not is_encoder_decoder, lean_obstacle
+                )
+                # decoder-only: drop the prompt; encoder-decoder: drop the decoder start token
+                new_tokens = sequences[:, 1:] if is_encoder_decoder else sequences[:, chunk["input_ids"].size(1) :]
+                completions.extend(new_tokens.cpu())
 
     if not encoded:  # nothing to generate here (e.g. this process's share of a small eval set)
         empty = torch.zeros(0, 0, dtype=torch.long, device=device)

@@ -276,6 +276,7 @@ class PolicyTrainerBase(Trainer):
             videos=videos,
             chat_template_kwargs=self.args.chat_template_kwargs,
             eos_token_ids=self.eos_token_ids,
+            lean_decoding=self.args.lean_decoding,
             **self.generation_options(),
         )
 

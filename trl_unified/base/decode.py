@@ -1,0 +1,245 @@
+"""The lean decode loop of `generate_batched`: `model.generate`'s sampling loop without its per-step machinery.
+
+`lean_generate` runs the same forward passes, logits processors and sampling calls as `GenerationMixin._sample`, in
+the same order, so it draws the same random numbers and returns the same tokens (greedy and seeded sampling,
+including temperature, top-k, top-p, min-p and repetition penalty); the equality to `model.generate` is tested token
+for token in tests/base/test_decode.py. What it leaves out is the work `generate` redoes at every token: preparing
+the model inputs and the position ids from the full attention mask, re-checking stopping criteria objects, and
+growing the prompt + completion tensors by concatenation (here: preallocated buffers, one view per step).
+
+Only the options listed in `SUPPORTED_OPTIONS` are handled. A configuration that sets any other option (beam search,
+stop strings, bad words, returned scores, a static cache, ...), a model or input this loop does not cover (encoder-
+decoder, image or video inputs, sharded parameters), is decoded by `model.generate`; `unsupported_reason` names why
+and `generate_batched` logs it once.
+
+On CPU, decoding spends most of its time in matrix products with a handful of rows (one token per sequence) against
+the full weight matrices; `packed_linear_weights` (base/packed_weights.py) makes those cheaper for both paths.
+"""
+
+import copy
+import inspect
+import logging
+
+import torch
+from transformers import (
+    Cache,
+    GenerationConfig,
+    GenerationMixin,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+
+logger = logging.getLogger(__name__)
+_reported: set[str] = set()
+_unsupported_models: dict[type, str] = {}  # model classes whose forward turned out not to return a KV cache
+
+# Generation options the lean loop implements; setting any other one to a non-default value selects `generate`.
+SUPPORTED_OPTIONS = frozenset(
+    {
+        "max_new_tokens",
+        "max_length",
+        "do_sample",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "pad_token_id",
+        "bos_token_id",
+        "eos_token_id",
+        "decoder_start_token_id",
+        "cache_implementation",
+        "use_cache",
+        "disable_compile",
+        "compile_config",
+        "transformers_version",
+        "_from_model_config",
+    }
+)
+
+
+class LeanDecodeUnsupported(Exception):
+    """The model turned out not to fit the lean loop (found at its first forward); `model.generate` decodes."""
+
+
+def _base_model(model):
+    model = model.module if hasattr(model, "module") else model
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def effective_generation_config(model, generation_config: GenerationConfig | None) -> GenerationConfig:
+    """The options `model.generate(generation_config=...)` decodes with: fields left unset take the model's own
+    generation config, then transformers' global defaults (e.g. `top_k=50`), through the resolution step `generate`
+    itself runs (`_prepare_generation_config`, when this transformers version has it)."""
+    base = _base_model(model)
+    prepare = getattr(base, "_prepare_generation_config", None)
+    if prepare is None:
+        return copy.deepcopy(generation_config or base.generation_config)
+    return prepare(generation_config)[0]
+
+
+def _neutral(name: str, value) -> bool:
+    """Whether an option has the value that turns its feature off (the class default or transformers' global one)."""
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
+    if value is None or value is False or value == getattr(GenerationConfig(), name, None):
+        return True
+    return name in defaults and value == defaults[name]
+
+
+def unsupported_reason(model, generation_config: GenerationConfig | None, model_inputs: dict) -> str | None:
+    """Why `lean_generate` cannot decode this call (then `model.generate` does), or None when it can."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder models decode with generate"
+    extra = sorted(set(model_inputs) - {"input_ids", "attention_mask"})
+    if extra:
+        return f"the prompts carry extra inputs ({', '.join(extra)}), e.g. images"
+    base = _base_model(model)
+    if "generate" in vars(model) or "generate" in vars(base) or type(base).generate is not GenerationMixin.generate:
+        return f"{type(base).__name__} has its own generate (a model-specific or replaced generate is honoured)"
+    if type(base) in _unsupported_models:
+        return _unsupported_models[type(base)]
+    generation_config = effective_generation_config(model, generation_config)
+    options = {
+        name
+        for name, value in generation_config.to_dict().items()
+        if name not in SUPPORTED_OPTIONS and not _neutral(name, value)
+    }
+    if options:
+        return f"the generation config sets {', '.join(sorted(options))}"
+    if generation_config.cache_implementation not in (None, "dynamic"):
+        return f"cache_implementation={generation_config.cache_implementation!r}"
+    if generation_config.use_cache is False:
+        return "use_cache=False"
+    if generation_config.max_new_tokens is None:
+        return "max_new_tokens is not set"
+    parameters = inspect.signature(base.forward).parameters
+    missing = [name for name in ("attention_mask", "position_ids") if name not in parameters]
+    if missing or not ("cache" in parameters or "past_key_values" in parameters):
+        return f"{type(base).__name__}.forward does not take {', '.join(missing) or 'a KV cache'}"
+    return None
+
+
+def report_fallback(reason: str) -> None:
+    """One info-level line per reason: why `model.generate` decodes instead of the lean loop."""
+    if reason not in _reported:
+        _reported.add(reason)
+        logger.info(f"generate_batched decodes with model.generate instead of the lean loop: {reason}.")
+
+
+def logits_processors(generation_config: GenerationConfig, attention_mask: torch.Tensor) -> LogitsProcessorList:
+    """The processors `GenerationMixin._get_logits_processor` builds for the supported options, in its order:
+    repetition penalty (left padding not penalised), then, when sampling, temperature, top-k, top-p, min-p."""
+    processors = LogitsProcessorList()
+    penalty = generation_config.repetition_penalty
+    if penalty is not None and penalty != 1.0:
+        padding_lengths = (attention_mask != 0).int().argmax(dim=1)
+        processors.append(RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=padding_lengths))
+    if generation_config.do_sample:
+        if generation_config.temperature is not None and generation_config.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(generation_config.temperature))
+        if generation_config.top_k is not None and generation_config.top_k != 0:
+            processors.append(TopKLogitsWarper(top_k=generation_config.top_k, min_tokens_to_keep=1))
+        if generation_config.top_p is not None and generation_config.top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p=generation_config.top_p, min_tokens_to_keep=1))
+        if generation_config.min_p is not None:
+            processors.append(MinPLogitsWarper(min_p=generation_config.min_p, min_tokens_to_keep=1))
+    return processors
+
+
+def _eos_ids(generation_config: GenerationConfig) -> list[int]:
+    eos = generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+@torch.no_grad()
+def lean_generate(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    generation_config: GenerationConfig | None = None,
+    cache: Cache | None = None,
+    cached_length: int = 0,
+) -> torch.Tensor:
+    """Decode `generation_config.max_new_tokens` tokens (fewer when every row has ended) after left-padded prompts.
+
+    Returns what `model.generate(input_ids, attention_mask=attention_mask, generation_config=generation_config)`
+    returns: `(B, P + n)` prompt + new tokens, rows that ended padded with the pad token. Check `unsupported_reason`
+    first.
+
+    Args:
+        model: a decoder-only causal LM (or its PEFT wrapper), in eval mode.
+        input_ids (`torch.LongTensor`): `(B, P)` left-padded prompts.
+        attention_mask (`torch.LongTensor`): `(B, P)`, 0 on padding.
+        generation_config (`GenerationConfig`, *optional*): decoding options (only `SUPPORTED_OPTIONS`), resolved as
+            `generate` resolves them (`effective_generation_config`); the model's own when None.
+        cache (`transformers.Cache`, *optional*): a KV cache holding the first `cached_length` prompt positions of
+            every row (e.g. from `prefix.encode_prefix`); the prefill then runs the remaining prompt positions only.
+        cached_length (`int`): how many prompt positions `cache` holds.
+    """
+    generation_config = effective_generation_config(model, generation_config)
+    batch, prompt_length = input_ids.shape
+    new_tokens = generation_config.max_new_tokens
+    device = input_ids.device
+    eos = _eos_ids(generation_config)
+    pad_token_id = generation_config.pad_token_id if generation_config.pad_token_id is not None else None
+    if pad_token_id is None and eos:
+        pad_token_id = eos[0]  # what generate does, with a warning
+    eos_tensor = torch.tensor(eos, device=device, dtype=torch.long) if eos else None
+    processors = logits_processors(generation_config, attention_mask)
+
+    # Preallocated: tokens and mask for prompt + every new token; each step reads a view.
+    ids = torch.empty(batch, prompt_length + new_tokens, dtype=input_ids.dtype, device=device)
+    ids[:, :prompt_length] = input_ids
+    mask = torch.ones(batch, prompt_length + new_tokens, dtype=attention_mask.dtype, device=device)
+    mask[:, :prompt_length] = attention_mask
+    positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # as generate derives
+    next_position = positions[:, -1:] + 1  # (B, 1)
+    unfinished = torch.ones(batch, dtype=torch.long, device=device)
+    cache_name = "cache" if "cache" in inspect.signature(_base_model(model).forward).parameters else "past_key_values"
+
+    outputs = model(
+        input_ids=input_ids[:, cached_length:],
+        attention_mask=attention_mask,
+        position_ids=positions[:, cached_length:],
+        use_cache=True,
+        logits_to_keep=1,
+        **({cache_name: cache} if cache is not None else {}),
+    )
+    cache = outputs.cache if getattr(outputs, "cache", None) is not None else outputs.past_key_values
+    if not isinstance(cache, Cache):
+        reason = f"{type(_base_model(model)).__name__} returns no transformers Cache from a forward with use_cache"
+        _unsupported_models[type(_base_model(model))] = reason
+        raise LeanDecodeUnsupported(reason)
+    length = prompt_length
+    for step in range(new_tokens):
+        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
+        scores = processors(ids[:, :length], logits)
+        if generation_config.do_sample:
+            next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            next_tokens = torch.argmax(scores, dim=-1)
+        if eos_tensor is not None:
+            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+        ids[:, length] = next_tokens
+        length += 1
+        if eos_tensor is not None:
+            unfinished = unfinished & ~torch.isin(next_tokens, eos_tensor)
+            if not bool(unfinished.any()):
+                break
+        if step == new_tokens - 1:
+            break
+        outputs = model(
+            input_ids=ids[:, length - 1 : length],
+            attention_mask=mask[:, :length],
+            position_ids=next_position,
+            use_cache=True,
+            **{cache_name: cache},
+        )
+        next_position = next_position + 1
+    return ids[:, :length]
