@@ -144,6 +144,29 @@ def test_rollout_rewards_advantages_and_returns_by_hand(tok, tmp_path):
     assert len(batch) == 4
 
 
+@pytest.mark.parametrize("peft", [False, True])
+def test_old_logps_are_read_from_sampling_and_equal_the_forward(tok, tmp_path, monkeypatch, peft):
+    """TRL's PPO reads the rollout's log-probs from generation's logits; so do we (no extra policy forward), and they
+    equal what the no-grad forward over prompt + completion gives, at the sampling temperature."""
+    trainer = build(tok, tmp_path, peft=peft, temperature=0.7)
+    generated = []
+    original = trainer.generate
+    monkeypatch.setattr(trainer, "generate", lambda *a, **k: generated.append(original(*a, **k)) or generated[-1])
+    trainer.model.train()
+    rows = trainer.rollout([trainer.train_dataset[i] for i in range(4)])
+    assert generated[-1].logprobs is not None  # the lean loop returned them: the rollout ran no policy forward
+    input_ids, attention_mask, _ = rows.model_inputs()
+    with torch.no_grad():
+        forward = trainer.token_logprobs(trainer.model, input_ids, attention_mask, rows.completion_ids.size(1)).logps
+    mask = rows.completion_mask.float()
+    assert rows.old_logps.shape == forward.shape and (rows.old_logps * (1 - mask)).abs().sum() == 0
+    torch.testing.assert_close(rows.old_logps * mask, forward * mask, rtol=1e-5, atol=1e-5)
+    # with lean decoding off, generate decodes and the forward computes them, as before
+    trainer.args.lean_decoding = False
+    rows = trainer.rollout([trainer.train_dataset[i] for i in range(4)])
+    assert generated[-1].logprobs is None and rows.old_logps is not None
+
+
 def test_loss_is_clipped_policy_plus_weighted_clipped_value_loss(tok, tmp_path):
     trainer = build(tok, tmp_path, cliprange=0.1, cliprange_value=0.05, vf_coef=0.5)
     trainer.model.train()

@@ -165,7 +165,8 @@ def lean_generate(
     generation_config: GenerationConfig | None = None,
     cache: Cache | None = None,
     cached_length: int = 0,
-) -> torch.Tensor:
+    return_logprobs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode `generation_config.max_new_tokens` tokens (fewer when every row has ended) after left-padded prompts.
 
     Returns what `model.generate(input_ids, attention_mask=attention_mask, generation_config=generation_config)`
@@ -181,6 +182,11 @@ def lean_generate(
         cache (`transformers.Cache`, *optional*): a KV cache holding the first `cached_length` prompt positions of
             every row (e.g. from `prefix.encode_prefix`); the prefill then runs the remaining prompt positions only.
         cached_length (`int`): how many prompt positions `cache` holds.
+        return_logprobs (`bool`): also return `(B, n)` log-probs of the chosen tokens under the model at the sampling
+            temperature, `log_softmax(logits / T)` (before top-k / top-p / min-p / repetition penalty, which only
+            choose which tokens may be sampled): the per-token log-probs a no-grad forward of the policy over prompt +
+            completion would compute, from the logits decoding computed anyway (PPO's "old" log-probs, as TRL reads
+            them from `generate`'s scores). 0 after a row has ended.
     """
     generation_config = effective_generation_config(model, generation_config)
     batch, prompt_length = input_ids.shape
@@ -217,8 +223,12 @@ def lean_generate(
         _unsupported_models[type(_base_model(model))] = reason
         raise LeanDecodeUnsupported(reason)
     length = prompt_length
+    temperature = (generation_config.temperature or 1.0) if generation_config.do_sample else 1.0
+    logprobs = torch.zeros(batch, new_tokens, dtype=torch.float32, device=device) if return_logprobs else None
     for step in range(new_tokens):
         logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
+        if return_logprobs:
+            logprobs_step = torch.log_softmax(logits / temperature, dim=-1)  # before the processors modify logits
         scores = processors(ids[:, :length], logits)
         if generation_config.do_sample:
             next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
@@ -227,6 +237,8 @@ def lean_generate(
         if eos_tensor is not None:
             next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
         ids[:, length] = next_tokens
+        if return_logprobs:
+            logprobs[:, step] = logprobs_step.gather(1, next_tokens[:, None]).squeeze(1) * unfinished
         length += 1
         if eos_tensor is not None:
             unfinished = unfinished & ~torch.isin(next_tokens, eos_tensor)
@@ -242,4 +254,6 @@ def lean_generate(
             **{cache_name: cache},
         )
         next_position = next_position + 1
+    if return_logprobs:
+        return ids[:, :length], logprobs[:, : length - prompt_length]
     return ids[:, :length]

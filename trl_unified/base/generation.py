@@ -34,6 +34,8 @@ class GenerationOutput:
             `mm_token_type_ids`), `(N, P)`, left-padded with 0 like `prompt_ids`.
         tool_mask (`torch.LongTensor`, *optional*): `(N, C)`, 1 on tokens the model sampled, 0 on tool-result tokens
             inserted between the turns of a multi-turn (agent) completion; None when every token is the model's.
+        logprobs (`torch.FloatTensor`, *optional*): `(N, C)` log-prob of each completion token at the sampling
+            temperature, from the decoding logits (`generate_batched(return_logprobs=True)`); 0 on padding.
     """
 
     prompt_ids: torch.Tensor
@@ -45,6 +47,7 @@ class GenerationOutput:
     image_inputs: list[dict[str, torch.Tensor]] | None = None
     prompt_token_inputs: dict[str, torch.Tensor] | None = None
     tool_mask: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
 
     @property
     def completion_ids_list(self) -> list[list[int]]:
@@ -354,9 +357,15 @@ def _check_fits_positions(model, encoded, generation_config) -> None:
 
 
 def _generate_chunk(
-    model, chunk: dict[str, Any], generation_config, shared_prefix: bool, lean_obstacle: str | None
-) -> torch.Tensor:
-    """Prompt + new tokens for one chunk, as `model.generate` returns them.
+    model,
+    chunk: dict[str, Any],
+    generation_config,
+    shared_prefix: bool,
+    lean_obstacle: str | None,
+    return_logprobs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prompt + new tokens for one chunk, as `model.generate` returns them, and with `return_logprobs` the new
+    tokens' log-probs when the lean loop decoded (None when `model.generate` did).
 
     Decoded by the lean loop (base/decode.py) unless `lean_obstacle` or the model / options rule it out, then by
     `model.generate` (the reason logged once). With `shared_prefix`, each distinct prompt is prefilled once
@@ -383,18 +392,20 @@ def _generate_chunk(
             report_fallback("generation", str(e))
     if lean_reason is None:
         try:
-            return decode.lean_generate(
-                model, ids, mask, generation_config, cache, ids.size(1) - 1 if cache is not None else 0
-            )
+            cached = ids.size(1) - 1 if cache is not None else 0
+            out = decode.lean_generate(model, ids, mask, generation_config, cache, cached, return_logprobs)
+            return out if return_logprobs else (out, None)
         except decode.LeanDecodeUnsupported as e:
             decode.report_fallback(str(e))
             if cache is not None:  # the failed prefill may have written to it; build it again for generate
                 cache = encode_prefix(model, ids, mask, ids.size(1) - 1, groups, position_ids=positions)
     if cache is not None:
-        return model.generate(
+        sequences = model.generate(
             input_ids=ids, attention_mask=mask, generation_config=generation_config, **{cache_kwarg(model): cache}
         )
-    return model.generate(**chunk, generation_config=generation_config)
+    else:
+        sequences = model.generate(**chunk, generation_config=generation_config)
+    return sequences, None
 
 
 def _sharded_parameters(model, accelerator, gather_deepspeed3_params: bool) -> str | None:
@@ -438,6 +449,7 @@ def generate_batched(
     shared_prefix: bool = False,
     continuous_batching=None,
     lean_decoding: bool = True,
+    return_logprobs: bool = False,
 ) -> GenerationOutput:
     """Generate completions for many prompts in batches of `batch_size`, with left padding.
 
@@ -486,6 +498,10 @@ def generate_batched(
             where the model and options allow it, `model.generate` elsewhere (the reason logged once); on CPU,
             multiply by prepacked float32 linear weights while decoding (base/packed_weights.py). False: always
             `model.generate`, with the model's own linear layers.
+        return_logprobs (`bool`, *optional*, defaults to `False`):
+            Fill `GenerationOutput.logprobs` with each completion token's log-prob at the sampling temperature, read
+            from the logits decoding computed (see `decode.lean_generate`); left None when any chunk was decoded by
+            `model.generate`.
 
     Returns:
         `GenerationOutput`, rows in the order of `prompts`.
@@ -514,7 +530,7 @@ def generate_batched(
     _check_fits_positions(unwrapped_for_config, encoded, generation_config)
     device = accelerator.device if accelerator is not None else next(unwrapped_for_config.parameters()).device
 
-    completions = []
+    completions, logprobs = [], []
     with unwrap_for_generation(model, accelerator, gather_deepspeed3_params, generation_config) as unwrapped:
         is_encoder_decoder = getattr(unwrapped.config, "is_encoder_decoder", False)
         if is_encoder_decoder and generation_config is not None and generation_config.decoder_start_token_id is None:
@@ -542,9 +558,15 @@ def generate_batched(
         with packed_linear_weights(unwrapped, min(batch_size, len(encoded)), enabled=pack):
             for start in range(0, len(encoded) if continuous_batching is None else 0, batch_size):
                 chunk = _collate_chunk(encoded[start : start + batch_size], pad_token_id, pad_to_multiple_of, device)
-                sequences = _generate_chunk(
-                    unwrapped, chunk, generation_config, shared_prefix and not is_encoder_decoder, lean_obstacle
+                sequences, chunk_logprobs = _generate_chunk(
+                    unwrapped,
+                    chunk,
+                    generation_config,
+                    shared_prefix and not is_encoder_decoder,
+                    lean_obstacle,
+                    return_logprobs,
                 )
+                logprobs.extend(chunk_logprobs if chunk_logprobs is not None else [None] * len(sequences))
                 # decoder-only: drop the prompt; encoder-decoder: drop the decoder start token
                 new_tokens = sequences[:, 1:] if is_encoder_decoder else sequences[:, chunk["input_ids"].size(1) :]
                 completions.extend(new_tokens.cpu())
@@ -559,6 +581,9 @@ def generate_batched(
     completion_ids, completion_mask, is_truncated = cut_after_eos(completion_ids, eos_token_ids, pad_token_id)
     width = int(completion_mask.sum(1).max()) if len(completions) else 0  # drop columns that are padding everywhere
     completion_ids, completion_mask = completion_ids[:, :width], completion_mask[:, :width]
+    token_logprobs = None
+    if return_logprobs and logprobs and all(row is not None for row in logprobs):
+        token_logprobs = pad(logprobs, 0.0, "right").to(device)[:, :width] * completion_mask
     kept = [ids[m.bool()].tolist() for ids, m in zip(completion_ids, completion_mask, strict=True)]
     if strip_prompt or is_encoder_decoder:
         texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
@@ -592,4 +617,5 @@ def generate_batched(
         is_truncated,
         image_inputs,
         prompt_token_inputs,
+        logprobs=token_logprobs,
     )

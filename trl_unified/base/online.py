@@ -268,6 +268,12 @@ class OnlineTrainer(PolicyTrainerBase):
         return self.completion_log.columns
 
     # ------------------------------------------------------------------ hooks
+    def old_logps_from_sampling(self) -> bool:
+        """Whether the old log-probs (when `needs_old_logps`) are read from the logits the lean decode loop computed
+        while sampling (PPO, as TRL's PPO reads them from `generate`'s scores) instead of a no-grad forward of the
+        policy over the rollout (RLOO / GRPO, as TRL). The forward still runs where the loop could not decode."""
+        return False
+
     def needs_old_logps(self, mode: str) -> bool:
         """Whether the rollout computes per-token log-probs at sampling time (TRL's rule: only when the policy can
         change between generation and a use of the batch, i.e. when an optimiser step falls inside one generation
@@ -667,7 +673,7 @@ class OnlineTrainer(PolicyTrainerBase):
             prompt_ids = self._tokenize_with_tools(prompts)
             completion_ids = self.generate(prompt_ids, **sampling).completion_ids_list
         else:
-            out = self.generate(prompts, images=images, **sampling)
+            out = self.generate(prompts, images=images, return_logprobs=self.old_logps_from_sampling(), **sampling)
             conversational = is_conversational({"prompt": prompts[0]})
             completions = [[{"role": "assistant", "content": t}] for t in out.texts] if conversational else out.texts
             return SampledCompletions(out, completions, {})
@@ -771,7 +777,7 @@ class OnlineTrainer(PolicyTrainerBase):
             None if extra else self.args.per_device_train_batch_size if train else self.args.per_device_eval_batch_size
         )
         with torch.no_grad():
-            if self.needs_old_logps(mode):
+            if self.needs_old_logps(mode) and batch.old_logps is None:  # not already read from the sampling logits
                 batch.old_logps = self.token_logprobs(
                     self.model, input_ids, attention_mask, width, batch_size=chunk, **extra
                 ).logps

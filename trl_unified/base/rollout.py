@@ -75,6 +75,7 @@ class RolloutBatch(TensorBatch):
             image_inputs=out.image_inputs,
             prompt_token_inputs=dict(out.prompt_token_inputs or {}),
             tool_mask=out.tool_mask,
+            old_logps=out.logprobs,
         )
 
     @property

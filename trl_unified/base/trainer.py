@@ -263,6 +263,7 @@ class PolicyTrainerBase(Trainer):
         max_new_tokens: int | None = None,
         batch_size=None,
         videos=None,
+        return_logprobs: bool = False,
     ):
         """`generate_batched` with the policy, this trainer's accelerator and generation settings."""
         return generate_batched(
@@ -277,6 +278,7 @@ class PolicyTrainerBase(Trainer):
             chat_template_kwargs=self.args.chat_template_kwargs,
             eos_token_ids=self.eos_token_ids,
             lean_decoding=self.args.lean_decoding,
+            return_logprobs=return_logprobs,
             **self.generation_options(),
         )
 

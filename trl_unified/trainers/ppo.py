@@ -209,6 +209,9 @@ class PPOTrainer(OnlineTrainer):
     def needs_old_logps(self, mode: str) -> bool:
         return True  # the rollout's log-probs anchor the ratio and the KL penalty
 
+    def old_logps_from_sampling(self) -> bool:
+        return True  # TRL's PPO reads them from generation's logits: no extra policy forward
+
     def token_logprobs(self, model, input_ids, attention_mask, logits_to_keep, **kwargs):
         kwargs.setdefault("position_ids", position_ids_from_mask(attention_mask))  # as in generation (TRL's PPO)
         return super().token_logprobs(model, input_ids, attention_mask, logits_to_keep, **kwargs)
