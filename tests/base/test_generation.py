@@ -68,7 +68,7 @@ def test_generate_batched_cuts_at_eos_in_real_generation(qwen2_model, tokenizer,
         return torch.cat([input_ids, tail[: input_ids.size(0)]], dim=1)
 
     monkeypatch.setattr(qwen2_model, "generate", fake_generate)
-    out = generate_batched(qwen2_model, tokenizer, ["a", "b c"], greedy(tokenizer), lean_decoding=False)
+    out = generate_batched(qwen2_model, tokenizer, ["a", "b c"], greedy(tokenizer))  # a replaced generate is honoured
     assert out.completion_ids_list == [[11, eos], [14, 15, 16, 17]]
     assert out.completion_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     assert out.is_truncated.tolist() == [False, True]

@@ -17,6 +17,7 @@ the full weight matrices; `packed_linear_weights` (base/packed_weights.py) makes
 """
 
 import copy
+import functools
 import inspect
 import logging
 
@@ -83,12 +84,18 @@ def effective_generation_config(model, generation_config: GenerationConfig | Non
     return prepare(generation_config)[0]
 
 
+@functools.cache
+def _defaults() -> tuple[dict, dict]:
+    """`GenerationConfig`'s class defaults and transformers' global generation defaults (e.g. `top_k=50`)."""
+    return GenerationConfig().to_dict(), getattr(GenerationConfig, "_get_default_generation_params", dict)()
+
+
 def _neutral(name: str, value) -> bool:
     """Whether an option has the value that turns its feature off (the class default or transformers' global one)."""
-    defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
-    if value is None or value is False or value == getattr(GenerationConfig(), name, None):
+    class_defaults, global_defaults = _defaults()
+    if value is None or value is False or value == class_defaults.get(name):
         return True
-    return name in defaults and value == defaults[name]
+    return name in global_defaults and value == global_defaults[name]
 
 
 def unsupported_reason(model, generation_config: GenerationConfig | None, model_inputs: dict) -> str | None:

@@ -551,10 +551,10 @@ def generate_batched(
             if len(outputs) != len(encoded):
                 raise RuntimeError(f"Continuous batching returned {len(outputs)} of {len(encoded)} completions.")
             completions.extend(torch.tensor(o.generated_tokens, dtype=torch.long) for o in outputs.values())
-        lean_obstacle = None if lean_decoding else "lean_decoding=False"
-        lean_obstacle = lean_obstacle or _sharded_parameters(unwrapped, accelerator, gather_deepspeed3_params)
+        sharded = _sharded_parameters(unwrapped, accelerator, gather_deepspeed3_params)
+        lean_obstacle = "lean_decoding=False" if not lean_decoding else sharded
         max_new_tokens = getattr(generation_config or unwrapped.generation_config, "max_new_tokens", None) or 0
-        pack = lean_decoding and continuous_batching is None and max_new_tokens >= MIN_NEW_TOKENS
+        pack = lean_decoding and sharded is None and continuous_batching is None and max_new_tokens >= MIN_NEW_TOKENS
         with packed_linear_weights(unwrapped, min(batch_size, len(encoded)), enabled=pack):
             for start in range(0, len(encoded) if continuous_batching is None else 0, batch_size):
                 chunk = _collate_chunk(encoded[start : start + batch_size], pad_token_id, pad_to_multiple_of, device)
