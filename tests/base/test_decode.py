@@ -179,3 +179,16 @@ def test_packing_probe_leaves_the_random_state_alone(tokenizer):
     with packed_linear_weights(model, rows=2):
         pass
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_patched_generate_is_honoured(qwen2_model, tokenizer, monkeypatch):
+    """`GenerationMixin.generate` patched (as TRL's tests mock it): generate decodes, not the lean loop."""
+    from transformers import GenerationMixin
+
+    def scripted(self, input_ids, **kwargs):
+        return torch.cat([input_ids, torch.full((input_ids.size(0), 2), 7)], dim=1)
+
+    monkeypatch.setattr(GenerationMixin, "generate", scripted)
+    generation_config = config(tokenizer, None, do_sample=False)
+    assert "own generate" in decode.unsupported_reason(qwen2_model, generation_config, {"input_ids": 0})
+    assert generate_batched(qwen2_model, tokenizer, PROMPTS[:2], generation_config).completion_ids_list == [[7, 7]] * 2

@@ -38,6 +38,7 @@ from transformers import (
 logger = logging.getLogger(__name__)
 _reported: set[str] = set()
 _unsupported_models: dict[type, str] = {}  # model classes whose forward turned out not to return a KV cache
+_GENERATE = GenerationMixin.generate  # transformers' own, as imported: a later patch of it is a custom generate
 
 # Generation options the lean loop implements; setting any other one to a non-default value selects `generate`.
 SUPPORTED_OPTIONS = frozenset(
@@ -107,7 +108,7 @@ def unsupported_reason(model, generation_config: GenerationConfig | None, model_
     if extra:
         return f"the prompts carry extra inputs ({', '.join(extra)}), e.g. images"
     base = _base_model(model)
-    if "generate" in vars(model) or "generate" in vars(base) or type(base).generate is not GenerationMixin.generate:
+    if "generate" in vars(model) or "generate" in vars(base) or type(base).generate is not _GENERATE:
         return f"{type(base).__name__} has its own generate (a model-specific or replaced generate is honoured)"
     if type(base) in _unsupported_models:
         return _unsupported_models[type(base)]
@@ -200,7 +201,7 @@ def lean_generate(
     new_tokens = generation_config.max_new_tokens
     device = input_ids.device
     eos = _eos_ids(generation_config)
-    pad_token_id = generation_config.pad_token_id if generation_config.pad_token_id is not None else None
+    pad_token_id = generation_config.pad_token_id
     if pad_token_id is None and eos:
         pad_token_id = eos[0]  # what generate does, with a warning
     eos_tensor = torch.tensor(eos, device=device, dtype=torch.long) if eos else None
@@ -214,14 +215,14 @@ def lean_generate(
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # as generate derives
     next_position = positions[:, -1:] + 1  # (B, 1)
     unfinished = torch.ones(batch, dtype=torch.long, device=device)
-    cache_name = "cache" if "cache" in inspect.signature(_base_model(model).forward).parameters else "past_key_values"
-
+    parameters = inspect.signature(_base_model(model).forward).parameters
+    cache_name = "cache" if "cache" in parameters else "past_key_values"
     outputs = model(
         input_ids=input_ids[:, cached_length:],
         attention_mask=attention_mask,
         position_ids=positions[:, cached_length:],
         use_cache=True,
-        logits_to_keep=1,
+        **({"logits_to_keep": 1} if "logits_to_keep" in parameters else {}),  # the prompt's other logits: unused
         **({cache_name: cache} if cache is not None else {}),
     )
     cache = outputs.cache if getattr(outputs, "cache", None) is not None else outputs.past_key_values
