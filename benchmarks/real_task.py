@@ -3,7 +3,8 @@ addition (the task of `examples/arithmetic.py`: same data, reward, settings and 
 
 Each run trains in its own fresh subprocess (so peak RSS is its own), TRL then ours, `--repeats` times alternating.
 After training, the held-out accuracy of both is measured by the same code (greedy `generate_batched`, the last
-number of the generation against a + b, 40 held-out problems). Printed:
+number of the generation against a + b, 40 held-out problems). Printed: per library the seconds per step and where
+they go (generation, reference forward, optimiser, the rest: the policy's forward and backward), then
 
     ratio step_time=X peak_rss=Y            (ours / TRL's: median seconds per step, first step excluded; peak RSS)
     accuracy before=B ours=A trl=T          (held-out accuracy of the base model, then after training)
@@ -43,7 +44,7 @@ def held_out_accuracy(model, tokenizer, rows) -> float:
 def run_one(impl: str, steps: int, seed: int, out: str) -> None:
     from arithmetic import problems, sum_correct, training_config
     from datasets import Dataset
-    from step_timer import StepTimer
+    from step_timer import PhaseTimer, StepTimer
     from transformers import AutoTokenizer
 
     from trl_unified.pretrained import smollm2_135m_instruct
@@ -52,21 +53,25 @@ def run_one(impl: str, steps: int, seed: int, out: str) -> None:
 
     path = smollm2_135m_instruct()
     train_rows, eval_rows = problems()
-    timer = StepTimer()
+    timer, phases = StepTimer(), PhaseTimer()
     trainer = library.RLOOTrainer(
         model=path,
         reward_funcs=sum_correct,
         args=training_config(library.RLOOConfig, tempfile.mkdtemp(), steps, seed),
         train_dataset=Dataset.from_dict(train_rows),
         processing_class=AutoTokenizer.from_pretrained(path),
-        callbacks=[timer],
+        callbacks=[timer, phases],
     )
+    phases.watch("generation", trainer, "_generate" if impl == "trl" else "generate")  # as online_vs_trl.py
+    if trainer.ref_model is not None:
+        phases.watch("reference", trainer.ref_model)
     trainer.train()
     accuracy = held_out_accuracy(trainer.model, trainer.processing_class, eval_rows)
     rewards = [(log["step"], log["reward"]) for log in trainer.state.log_history if "reward" in log]
     json.dump(
         {
             "times": timer.times,
+            "phases": phases.phases,
             "accuracy": accuracy,
             "rewards": rewards,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -120,6 +125,12 @@ def main():
         }
         s = summary[impl]
         print(f"{impl:5s} {s['step']:.2f} s/step  peak RSS {s['rss']:.0f} MB  held-out accuracy {s['accuracy']:.3f}")
+        phases = {
+            phase: statistics.median(statistics.median(r["phases"][phase][1:]) for r in runs)
+            for phase in runs[0]["phases"]
+        }
+        split = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in phases.items())
+        print(f"      where the time goes (s/step): {split}, the rest {s['step'] - sum(phases.values()):.2f}")
     save_curve(results, os.path.join(HERE, "real_task_curve.png"), before)
     ours, trl = summary["ours"], summary["trl"]
     print(f"ratio step_time={ours['step'] / trl['step']:.2f} peak_rss={ours['rss'] / trl['rss']:.2f}")
