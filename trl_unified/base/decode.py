@@ -34,6 +34,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from .prefix import _base_model, cache_kwarg, generation_positions
+
 
 logger = logging.getLogger(__name__)
 _reported: set[str] = set()
@@ -67,11 +69,6 @@ SUPPORTED_OPTIONS = frozenset(
 
 class LeanDecodeUnsupported(Exception):
     """The model turned out not to fit the lean loop (found at its first forward); `model.generate` decodes."""
-
-
-def _base_model(model):
-    model = model.module if hasattr(model, "module") else model
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def effective_generation_config(model, generation_config: GenerationConfig | None) -> GenerationConfig:
@@ -212,11 +209,11 @@ def lean_generate(
     ids[:, :prompt_length] = input_ids
     mask = torch.ones(batch, prompt_length + new_tokens, dtype=attention_mask.dtype, device=device)
     mask[:, :prompt_length] = attention_mask
-    positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # as generate derives
+    positions = generation_positions(attention_mask)
     next_position = positions[:, -1:] + 1  # (B, 1)
     unfinished = torch.ones(batch, dtype=torch.long, device=device)
     parameters = inspect.signature(_base_model(model).forward).parameters
-    cache_name = "cache" if "cache" in parameters else "past_key_values"
+    cache_name = cache_kwarg(model)
     outputs = model(
         input_ids=input_ids[:, cached_length:],
         attention_mask=attention_mask,

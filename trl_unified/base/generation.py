@@ -13,7 +13,14 @@ from . import decode
 from .data import is_conversational_prompt, pad
 from .models import get_tokenizer
 from .packed_weights import MIN_NEW_TOKENS, packed_linear_weights
-from .prefix import PrefixSharingUnsupported, cache_kwarg, encode_prefix, group_prompts, report_fallback
+from .prefix import (
+    PrefixSharingUnsupported,
+    cache_kwarg,
+    encode_prefix,
+    generation_positions,
+    group_prompts,
+    report_fallback,
+)
 from .vision import processor_visual_kwargs
 
 
@@ -385,7 +392,7 @@ def _generate_chunk(
     ids, mask = chunk["input_ids"], chunk["attention_mask"]
     cache = None
     if groups is not None:
-        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as GenerationMixin derives them
+        positions = generation_positions(mask)
         try:
             cache = encode_prefix(model, ids, mask, ids.size(1) - 1, groups, position_ids=positions)
         except PrefixSharingUnsupported as e:

@@ -67,6 +67,10 @@ class OnlineTrainer(PolicyTrainerBase):
     """
 
     config_class = OnlineConfig
+    # Read the old log-probs (when `needs_old_logps`) from the logits the lean decode loop computed while sampling,
+    # instead of a no-grad forward of the policy over the rollout (PPO, as TRL's PPO reads `generate`'s scores; RLOO
+    # and GRPO keep TRL's forward). The forward still runs where the loop could not decode.
+    old_logps_from_sampling = False
 
     def __init__(
         self,
@@ -268,12 +272,6 @@ class OnlineTrainer(PolicyTrainerBase):
         return self.completion_log.columns
 
     # ------------------------------------------------------------------ hooks
-    def old_logps_from_sampling(self) -> bool:
-        """Whether the old log-probs (when `needs_old_logps`) are read from the logits the lean decode loop computed
-        while sampling (PPO, as TRL's PPO reads them from `generate`'s scores) instead of a no-grad forward of the
-        policy over the rollout (RLOO / GRPO, as TRL). The forward still runs where the loop could not decode."""
-        return False
-
     def needs_old_logps(self, mode: str) -> bool:
         """Whether the rollout computes per-token log-probs at sampling time (TRL's rule: only when the policy can
         change between generation and a use of the batch, i.e. when an optimiser step falls inside one generation
@@ -673,7 +671,7 @@ class OnlineTrainer(PolicyTrainerBase):
             prompt_ids = self._tokenize_with_tools(prompts)
             completion_ids = self.generate(prompt_ids, **sampling).completion_ids_list
         else:
-            out = self.generate(prompts, images=images, return_logprobs=self.old_logps_from_sampling(), **sampling)
+            out = self.generate(prompts, images=images, return_logprobs=self.old_logps_from_sampling, **sampling)
             conversational = is_conversational({"prompt": prompts[0]})
             completions = [[{"role": "assistant", "content": t}] for t in out.texts] if conversational else out.texts
             return SampledCompletions(out, completions, {})

@@ -94,6 +94,11 @@ def _base_model(model):
     return base.get_base_model() if hasattr(base, "get_base_model") else base
 
 
+def generation_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """`(B, T)` positions as `GenerationMixin` derives them from a left-padded mask: 0 on padding, then 0, 1, ..."""
+    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+
+
 def cache_kwarg(model) -> str:
     """The name under which `model.forward` / `generate` take a KV cache: `cache` (transformers >= 5.2x), else the
     older `past_key_values`."""

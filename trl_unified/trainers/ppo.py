@@ -131,6 +131,7 @@ class PPOTrainer(OnlineTrainer):
     _name = "PPO"
     config_class = PPOConfig
     loss_is_scaled_for_ga = False  # per-micro-batch token means: the Trainer divides by the micro-batches
+    old_logps_from_sampling = True  # TRL's PPO reads them from generation's logits: no extra policy forward
 
     def __init__(
         self,
@@ -208,9 +209,6 @@ class PPOTrainer(OnlineTrainer):
 
     def needs_old_logps(self, mode: str) -> bool:
         return True  # the rollout's log-probs anchor the ratio and the KL penalty
-
-    def old_logps_from_sampling(self) -> bool:
-        return True  # TRL's PPO reads them from generation's logits: no extra policy forward
 
     def token_logprobs(self, model, input_ids, attention_mask, logits_to_keep, **kwargs):
         kwargs.setdefault("position_ids", position_ids_from_mask(attention_mask))  # as in generation (TRL's PPO)
