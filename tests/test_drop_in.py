@@ -23,8 +23,8 @@ from trl_unified import (
     compute_token_logprobs,
     generate_batched,
 )
-from trl_unified.base.answers import reference_answers
-from trl_unified.base.prefix import _unsupported
+from trl_unified.evaluation.answers import reference_answers
+from trl_unified.generation.sharing import _unsupported
 from trl_unified.testing import build_causal_lm
 
 
@@ -129,7 +129,7 @@ def test_a_cache_that_cannot_expand_by_row_falls_back_with_the_same_numbers(toke
 
     monkeypatch.setattr(DynamicCache, "batch_select_indices", cannot)
     try:
-        with caplog.at_level(logging.INFO, logger="trl_unified.base.prefix"):
+        with caplog.at_level(logging.INFO, logger="trl_unified.generation.sharing"):
             shared = compute_token_logprobs(model, ids, mask, 2, shared_prefix=True).logps
             generated = generate_batched(model, tokenizer, prompts, config, shared_prefix=True).completion_ids
         assert type(model) in _unsupported  # later calls skip the attempt

@@ -2,22 +2,22 @@
 
 __version__ = "0.1.0"
 
-from .base.answers import answers_match, extract_answer
-from .base.config import PolicyConfig
-from .base.data import RepeatSampler
-from .base.generation import GenerationOutput, build_generation_config, generate_batched, unwrap_for_generation
-from .base.judge import GRMReward
-from .base.logprobs import compute_token_logprobs, entropy_from_logits, selective_log_softmax
-from .base.online import OnlineTrainer
-from .base.online_config import OnlineConfig
-from .base.papers import PAPERS
-from .base.preference import PreferenceConfig, PreferenceTrainer
-from .base.preference_data import PairedBatch, PairedCollator, SequenceBatch, UnpairedBatch, UnpairedCollator
-from .base.reference import ReferenceModel
-from .base.rewards import RewardFunctions
-from .base.rollout import RolloutBatch
-from .base.sft_data import SFTBatch, SFTCollator
-from .base.trainer import PolicyTrainerBase
+from .core.config import PolicyConfig
+from .core.logprobs import compute_token_logprobs, entropy_from_logits, selective_log_softmax
+from .core.reference import ReferenceModel
+from .core.trainer import PolicyTrainerBase
+from .data.datasets import RepeatSampler
+from .data.sft import SFTBatch, SFTCollator
+from .evaluation.answers import answers_match, extract_answer
+from .evaluation.judge import GRMReward
+from .generation.batched import GenerationOutput, build_generation_config, generate_batched, unwrap_for_generation
+from .hub.papers import PAPERS
+from .online.config import OnlineConfig
+from .online.rewards import RewardFunctions
+from .online.rollout import RolloutBatch
+from .online.trainer import OnlineTrainer
+from .preference.data import PairedBatch, PairedCollator, SequenceBatch, UnpairedBatch, UnpairedCollator
+from .preference.trainer import PreferenceConfig, PreferenceTrainer
 from .trainers.dpo import DPOConfig, DPOTrainer
 from .trainers.grm import GRMConfig, GRMTrainer
 from .trainers.grpo import GRPOConfig, GRPOTrainer
@@ -74,7 +74,7 @@ __all__ = [
 
 def __getattr__(name):
     if name == "AnswerAccuracy":  # built on first use: `evaluate` is slow to import
-        from .base import answers
+        from .evaluation import answers
 
         return answers.AnswerAccuracy
     raise AttributeError(f"module 'trl_unified' has no attribute {name!r}")

@@ -11,7 +11,7 @@ import torch
 from datasets import Dataset
 
 from trl_unified import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-from trl_unified.base.agents import EventLoopThread, run_tool_calls, tool_suffix_ids
+from trl_unified.online.agents import EventLoopThread, run_tool_calls, tool_suffix_ids
 from trl_unified.testing import build_causal_lm, build_tool_tokenizer
 
 

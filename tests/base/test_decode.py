@@ -8,8 +8,8 @@ import torch
 from transformers import GenerationConfig
 
 from trl_unified import generate_batched
-from trl_unified.base import decode
-from trl_unified.base.packed_weights import _unavailable_reason, packed_linear_weights
+from trl_unified.generation import lean as decode
+from trl_unified.generation.packed_weights import _unavailable_reason, packed_linear_weights
 from trl_unified.testing import build_causal_lm
 
 
@@ -113,7 +113,7 @@ def test_unsupported_options_fall_back_to_generate(qwen2_model, tokenizer, caplo
     assert found is not None and reason in found
     if "output_scores" in options:
         return  # generate_batched does not return scores; the reason above is what matters
-    with caplog.at_level(logging.INFO, logger="trl_unified.base.decode"):
+    with caplog.at_level(logging.INFO, logger="trl_unified.generation.lean"):
         lean = generate_batched(qwen2_model, tokenizer, PROMPTS[:4], generation_config)
     assert any(reason in r.message and "model.generate" in r.message for r in caplog.records)
     plain = generate_batched(qwen2_model, tokenizer, PROMPTS[:4], generation_config, lean_decoding=False)
@@ -163,7 +163,7 @@ def test_packed_generation_gives_generates_tokens(tokenizer):
 def test_packing_probe_leaves_the_random_state_alone(tokenizer):
     """The once-per-process check that packing works must not draw from the global generator (sampling would
     then differ from generate's)."""
-    from trl_unified.base import packed_weights
+    from trl_unified.generation import packed_weights
 
     packed_weights._status.clear()
     model = build_causal_lm(tokenizer, "qwen2")

@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
 from trl_unified import generate_batched
-from trl_unified.base.generation import cut_after_eos
+from trl_unified.generation.batched import cut_after_eos
 
 
 PROMPTS = ["a b", "c", "d e f g h i j", "k l m", "n o p q", "hello world"]

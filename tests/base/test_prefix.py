@@ -8,7 +8,7 @@ from peft import LoraConfig
 from transformers import GenerationConfig
 
 from trl_unified import compute_token_logprobs, generate_batched
-from trl_unified.base.prefix import group_prompts, unsupported_reason
+from trl_unified.generation.sharing import group_prompts, unsupported_reason
 from trl_unified.testing import build_causal_lm
 from trl_unified.trainers.dpo import LOSS_TYPES as DPO_LOSS_TYPES
 
@@ -153,8 +153,8 @@ def _train(path, tmp_path, trainer_class, config_class, peft=False, **config):
 )
 def test_trainers_share_prompts_by_default_with_the_plain_numbers(name, config, llama_path, tmp_path, monkeypatch):
     import trl_unified
-    import trl_unified.base.generation as generation
-    import trl_unified.base.logprobs as logprobs
+    import trl_unified.core.logprobs as logprobs
+    import trl_unified.generation.batched as generation
 
     calls = []
     for module in (generation, logprobs):
@@ -178,12 +178,12 @@ def test_trainers_share_prompts_by_default_with_the_plain_numbers(name, config, 
 def test_fallbacks_are_logged_and_forced_sharing_is_checked(llama_path, tmp_path, caplog, monkeypatch):
     import logging
 
-    import trl_unified.base.prefix as prefix
+    import trl_unified.generation.sharing as prefix
     from trl_unified import GRPOConfig, GRPOTrainer
 
     monkeypatch.setattr(prefix, "_reported", set())  # each reason is logged once per process
 
-    with caplog.at_level(logging.INFO, logger="trl_unified.base.prefix"):
+    with caplog.at_level(logging.INFO, logger="trl_unified.generation.sharing"):
         _train(llama_path, tmp_path, GRPOTrainer, GRPOConfig, gradient_checkpointing=True, max_steps=1)
     assert "log-prob forward runs without prompt sharing because gradient checkpointing" in caplog.text
     with pytest.raises(ValueError, match="shared_prefix=True, but gradient checkpointing"):
@@ -246,7 +246,7 @@ def _train_preference(path, tmp_path, name, peft=False, **config):
 def test_preference_trainers_share_prompts_by_default_with_the_plain_numbers(
     name, config, tmp_path, monkeypatch, request
 ):
-    import trl_unified.base.logprobs as logprobs
+    import trl_unified.core.logprobs as logprobs
 
     config = dict(config)
     path = request.getfixturevalue(config.pop("model", "llama_path"))

@@ -11,7 +11,7 @@ import pytest
 SCRIPT = r"""
 import os, sys, torch, torch.distributed as dist
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
-from trl_unified.base import shutdown
+from trl_unified.core import shutdown
 shutdown.install_distributed_shutdown()
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))  # keeps the process group alive
 model(torch.ones(1, 2)).sum().backward()

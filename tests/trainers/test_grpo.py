@@ -63,12 +63,12 @@ def test_unimplemented_fields_raise_when_set(field, value, tmp_path):
 def test_vllm_only_fields_without_vllm_are_ignored_with_a_warning(field, value, tmp_path, caplog):
     """As TRL: the vLLM fields only matter with use_vllm=True; set without it they change nothing (TRL's scripts
     pass them by default), so they are accepted and named in one warning."""
-    with caplog.at_level("WARNING", logger="trl_unified.base.online_config"):
+    with caplog.at_level("WARNING", logger="trl_unified.online.config"):
         args = grpo_args(tmp_path, **{field: value})
     assert getattr(args, field) == value
     assert f"{field} only apply to vLLM generation (use_vllm=True), which is off: ignored" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="trl_unified.base.online_config"):
+    with caplog.at_level("WARNING", logger="trl_unified.online.config"):
         grpo_args(tmp_path)
     assert "vLLM" not in caplog.text  # the defaults pass silently
 

@@ -11,7 +11,7 @@ from peft import LoraConfig
 
 from tests.helpers import PROMPTS, count_a
 from trl_unified import PPOConfig, PPOTrainer
-from trl_unified.base.critic import (
+from trl_unified.online.critic import (
     gae_advantages,
     kl_per_token,
     masked_mean,

@@ -13,7 +13,7 @@ from datasets import Dataset
 
 import trl_unified
 from trl_unified import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, PairedCollator, UnpairedCollator
-from trl_unified.base.preference_data import pack
+from trl_unified.preference.data import pack
 from trl_unified.testing import build_causal_lm
 
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..base.config import document_fields
-from ..base.preference import PreferenceConfig, PreferenceTrainer
-from ..base.preference_data import PairedBatch
+from ..core.config import document_fields
+from ..preference.data import PairedBatch
+from ..preference.trainer import PreferenceConfig, PreferenceTrainer
 
 
 LOSS_TYPES = (

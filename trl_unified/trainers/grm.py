@@ -18,16 +18,16 @@ import torch
 import torch.nn.functional as F
 from datasets import IterableDataset
 
-from ..base.answers import extract_answer
-from ..base.config import PolicyConfig, document_fields
-from ..base.data import (
+from ..core.config import PolicyConfig, document_fields
+from ..core.trainer import PolicyTrainerBase
+from ..data.datasets import (
     dataset_columns,
     is_conversational_prompt,
     split_prompt_completion,
 )
-from ..base.sft_data import SFTBatch, SFTCollator, tokenize_sft_row
-from ..base.trainer import PolicyTrainerBase
-from ..base.vision import with_row_visuals
+from ..data.sft import SFTBatch, SFTCollator, tokenize_sft_row
+from ..data.vision import with_row_visuals
+from ..evaluation.answers import extract_answer
 
 
 @document_fields

@@ -42,11 +42,11 @@ from dataclasses import dataclass
 import torch
 from accelerate.utils import gather
 
-from ..base.config import document_fields, option
-from ..base.online import OnlineTrainer
-from ..base.online_config import OnlineConfig
-from ..base.rewards import nanstd
-from ..base.rollout import RolloutBatch
+from ..core.config import document_fields, option
+from ..online.config import OnlineConfig
+from ..online.rewards import nanstd
+from ..online.rollout import RolloutBatch
+from ..online.trainer import OnlineTrainer
 
 
 logger = logging.getLogger(__name__)

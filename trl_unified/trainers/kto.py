@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset
 
-from ..base.config import document_fields
-from ..base.preference import PreferenceConfig, PreferenceTrainer
-from ..base.preference_data import UnpairedBatch
+from ..core.config import document_fields
+from ..preference.data import UnpairedBatch
+from ..preference.trainer import PreferenceConfig, PreferenceTrainer
 
 
 logger = logging.getLogger(__name__)

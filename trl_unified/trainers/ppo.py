@@ -17,8 +17,10 @@ from typing import Literal
 
 import torch
 
-from ..base.config import document_fields, option
-from ..base.critic import (
+from ..core.config import document_fields, option
+from ..core.models import get_tokenizer
+from ..online.config import OnlineConfig
+from ..online.critic import (
     gae_advantages,
     kl_per_token,
     masked_mean,
@@ -28,11 +30,9 @@ from ..base.critic import (
     score_positions,
     value_mask,
 )
-from ..base.models import get_tokenizer
-from ..base.online import OnlineTrainer
-from ..base.online_config import OnlineConfig
-from ..base.rewards import TokenIdsRewardModel
-from ..base.rollout import RolloutBatch
+from ..online.rewards import TokenIdsRewardModel
+from ..online.rollout import RolloutBatch
+from ..online.trainer import OnlineTrainer
 
 
 @document_fields

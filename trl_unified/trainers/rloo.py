@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 import torch
 from accelerate.utils import gather
 
-from ..base.config import document_fields
-from ..base.online import OnlineTrainer
-from ..base.online_config import OnlineConfig
-from ..base.rewards import nanstd
-from ..base.rollout import RolloutBatch
+from ..core.config import document_fields
+from ..online.config import OnlineConfig
+from ..online.rewards import nanstd
+from ..online.rollout import RolloutBatch
+from ..online.trainer import OnlineTrainer
 
 
 __all__ = ["RLOOConfig", "RLOOTrainer", "rloo_advantages"]

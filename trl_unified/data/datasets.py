@@ -8,7 +8,7 @@ import torch
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 from torch.utils.data import Sampler
 
-from .models import get_tokenizer
+from ..core.models import get_tokenizer
 
 
 logger = logging.getLogger(__name__)

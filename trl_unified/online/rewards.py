@@ -12,7 +12,7 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 from trl import apply_chat_template, is_conversational
 
-from .models import from_pretrained_checked, load_tokenizer, model_id_of
+from ..core.models import from_pretrained_checked, load_tokenizer, model_id_of
 
 
 RewardFunc = str | PreTrainedModel | Callable[..., list[float | None]]
@@ -253,8 +253,8 @@ class TokenIdsRewardModel:
     @classmethod
     def build(cls, model, policy, processing_class, accelerator) -> "TokenIdsRewardModel":
         """From a model or its id/path, frozen and placed like the reference; its vocabulary must be the policy's."""
+        from ..core.reference import prepare_frozen_model
         from .critic import check_value_vocabulary
-        from .reference import prepare_frozen_model
 
         if isinstance(model, str):
             model = from_pretrained_checked(AutoModelForSequenceClassification, model, "reward model", num_labels=1)
@@ -264,8 +264,8 @@ class TokenIdsRewardModel:
 
     @torch.no_grad()
     def __call__(self, prompts, completions, completion_ids, prompt_ids, **kwargs) -> list[float]:
+        from ..data.datasets import pad
         from .critic import position_ids_from_mask
-        from .data import pad
 
         device = next(self.model.parameters()).device
         rows = [torch.tensor(p + c, dtype=torch.long) for p, c in zip(prompt_ids, completion_ids, strict=True)]

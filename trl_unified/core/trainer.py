@@ -12,10 +12,7 @@ from accelerate.utils import gather_object, set_seed
 from datasets import Dataset, IterableDataset
 from transformers import Trainer
 
-from .answers import answers_match, extract_answer, reference_answers
-from .batch import TensorBatch
-from .config import PolicyConfig
-from .data import (
+from ..data.datasets import (
     check_dataset_types,
     check_images_fit,
     column_names,
@@ -24,9 +21,14 @@ from .data import (
     get_videos,
     has_iterable,
 )
-from .generation import build_generation_config, generate_batched, get_eos_token_ids
+from ..evaluation.answers import answers_match, extract_answer, reference_answers
+from ..generation.batched import build_generation_config, generate_batched, get_eos_token_ids
+from ..generation.sharing import report_fallback, unsupported_reason
+from ..hub.model_card import write_model_card
+from ..hub.papers import PAPERS
+from .batch import TensorBatch
+from .config import PolicyConfig
 from .logprobs import TokenLogprobs, compute_token_logprobs
-from .model_card import write_model_card
 from .models import (
     apply_peft,
     check_liger_kernel,
@@ -38,8 +40,6 @@ from .models import (
     moe_aux_loss_setup,
     prepare_peft_checkpointing,
 )
-from .papers import PAPERS
-from .prefix import report_fallback, unsupported_reason
 from .reference import ReferenceModel
 from .shutdown import install_distributed_shutdown, release_ddp_wrapper
 

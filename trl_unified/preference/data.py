@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from datasets import Dataset
 from trl import extract_prompt, is_conversational, unpair_preference_dataset
 
-from .batch import TensorBatch, scalar_field
-from .data import column_names, pad
-from .models import get_tokenizer
-from .vision import EncodedPrompts, encode_prompts, has_visuals, render_conversation, row_images, row_videos
+from ..core.batch import TensorBatch, scalar_field
+from ..core.models import get_tokenizer
+from ..data.datasets import column_names, pad
+from ..data.vision import EncodedPrompts, encode_prompts, has_visuals, render_conversation, row_images, row_videos
 
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from trl import prepare_multimodal_messages
 
-from .data import get_images, get_videos
+from .datasets import get_images, get_videos
 
 
 def has_visuals(row: dict[str, Any]) -> bool:

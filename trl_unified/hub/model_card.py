@@ -4,7 +4,7 @@ import os
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .models import model_id_of
+from ..core.models import model_id_of
 
 
 _TEMPLATE = """---

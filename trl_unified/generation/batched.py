@@ -9,11 +9,12 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase, ProcessorMixin
 
-from . import decode
-from .data import is_conversational_prompt, pad
-from .models import get_tokenizer
+from ..core.models import get_tokenizer
+from ..data.datasets import is_conversational_prompt, pad
+from ..data.vision import processor_visual_kwargs
+from . import lean
 from .packed_weights import MIN_NEW_TOKENS, packed_linear_weights
-from .prefix import (
+from .sharing import (
     PrefixSharingUnsupported,
     cache_kwarg,
     encode_prefix,
@@ -21,7 +22,6 @@ from .prefix import (
     group_prompts,
     report_fallback,
 )
-from .vision import processor_visual_kwargs
 
 
 @dataclass
@@ -379,9 +379,9 @@ def _generate_chunk(
     (base/prefix.py): the prefill covers every prompt position but the last, with the positions `generate` itself
     derives from the attention mask, so either loop continues from the cache exactly as from its own prefill."""
     generation_config = generation_config or model.generation_config
-    lean_reason = lean_obstacle or decode.unsupported_reason(model, generation_config, chunk)
+    lean_reason = lean_obstacle or lean.unsupported_reason(model, generation_config, chunk)
     if lean_reason is not None:
-        decode.report_fallback(lean_reason)
+        lean.report_fallback(lean_reason)
     groups = None
     cache_implementation = getattr(generation_config, "cache_implementation", None)
     expands_rows = (getattr(generation_config, "num_beams", 1) or 1) > 1 or (
@@ -400,10 +400,10 @@ def _generate_chunk(
     if lean_reason is None:
         try:
             cached = ids.size(1) - 1 if cache is not None else 0
-            out = decode.lean_generate(model, ids, mask, generation_config, cache, cached, return_logprobs)
+            out = lean.lean_generate(model, ids, mask, generation_config, cache, cached, return_logprobs)
             return out if return_logprobs else (out, None)
-        except decode.LeanDecodeUnsupported as e:
-            decode.report_fallback(str(e))
+        except lean.LeanDecodeUnsupported as e:
+            lean.report_fallback(str(e))
             if cache is not None:  # the failed prefill may have written to it; build it again for generate
                 cache = encode_prefix(model, ids, mask, ids.size(1) - 1, groups, position_ids=positions)
     if cache is not None:
@@ -507,7 +507,7 @@ def generate_batched(
             `model.generate`, with the model's own linear layers.
         return_logprobs (`bool`, *optional*, defaults to `False`):
             Fill `GenerationOutput.logprobs` with each completion token's log-prob at the sampling temperature, read
-            from the logits decoding computed (see `decode.lean_generate`); left None when any chunk was decoded by
+            from the logits decoding computed (see `lean.lean_generate`); left None when any chunk was decoded by
             `model.generate`.
 
     Returns:

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from transformers import TrainingArguments
 
-from .answers import ANSWER_EXTRACTORS
+from ..evaluation.answers import ANSWER_EXTRACTORS
 
 
 def document_fields(cls):

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .prefix import PrefixSharingUnsupported, cache_kwarg, encode_prefix, group_prompts, report_fallback
+from ..generation.sharing import PrefixSharingUnsupported, cache_kwarg, encode_prefix, group_prompts, report_fallback
 
 
 # Rows per log-softmax chunk are chosen so one chunk's float32 logits stay under this many elements.

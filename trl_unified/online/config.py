@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .config import PolicyConfig
+from ..core.config import PolicyConfig
 
 
 logger = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from .prefix import _base_model, cache_kwarg, generation_positions
+from .sharing import _base_model, cache_kwarg, generation_positions
 
 
 logger = logging.getLogger(__name__)

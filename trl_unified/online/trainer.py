@@ -22,6 +22,11 @@ from accelerate.utils import gather, gather_object, set_seed
 from datasets import Dataset, IterableDataset
 from trl import is_conversational, prepare_multimodal_messages
 
+from ..core.models import cast_lm_head_to_fp32, get_tokenizer, load_model_plain
+from ..core.reference import prepare_frozen_model
+from ..core.trainer import PolicyTrainerBase
+from ..data.datasets import RepeatedIterable, RepeatSampler, dataset_columns, get_images, require_columns
+from ..generation.batched import GenerationOutput, max_positions, prompt_lengths
 from .agents import (
     EMPTY_PROMPT,
     Environments,
@@ -32,6 +37,7 @@ from .agents import (
     prepare_tool_template,
 )
 from .completion_log import CompletionLog
+from .config import OnlineConfig
 from .critic import (
     attach_value_model,
     check_value_vocabulary,
@@ -40,15 +46,9 @@ from .critic import (
     save_value_model,
     without_value_model,
 )
-from .data import RepeatedIterable, RepeatSampler, dataset_columns, get_images, require_columns
-from .generation import GenerationOutput, max_positions, prompt_lengths
-from .models import cast_lm_head_to_fp32, get_tokenizer, load_model_plain
-from .online_config import OnlineConfig
-from .reference import prepare_frozen_model
 from .rewards import EventLoopThread, RewardFunctions, is_async_callable, nanstd
 from .rollout import RolloutBatch
 from .schedules import EveryNStepsScheduler
-from .trainer import PolicyTrainerBase
 
 
 logger = logging.getLogger(__name__)

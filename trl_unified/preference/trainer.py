@@ -11,11 +11,12 @@ import torch
 from datasets import IterableDataset
 from torch.utils.data import DataLoader
 
-from .config import PolicyConfig
-from .data import check_images_fit, column_names, dataset_columns
-from .logprobs import TokenLogprobs, compute_token_logprobs
-from .models import get_tokenizer
-from .preference_data import (
+from ..core.config import PolicyConfig
+from ..core.logprobs import TokenLogprobs, compute_token_logprobs
+from ..core.models import get_tokenizer
+from ..core.trainer import PolicyTrainerBase
+from ..data.datasets import check_images_fit, column_names, dataset_columns
+from .data import (
     PairedBatch,
     PairedCollator,
     SequenceBatch,
@@ -24,7 +25,6 @@ from .preference_data import (
     UnpairedCollator,
     prepare_preference_dataset,
 )
-from .trainer import PolicyTrainerBase
 
 
 logger = logging.getLogger(__name__)

@@ -6,11 +6,11 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from ..core.models import from_pretrained_checked, get_tokenizer, load_model_plain
+from ..data.datasets import is_conversational_prompt
+from ..data.vision import prepare_visual_messages
+from ..generation.batched import generate_batched, get_eos_token_ids
 from .answers import extract_answer
-from .data import is_conversational_prompt
-from .generation import generate_batched, get_eos_token_ids
-from .models import from_pretrained_checked, get_tokenizer, load_model_plain
-from .vision import prepare_visual_messages
 
 
 SCORE_TEMPLATE = (

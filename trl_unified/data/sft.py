@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from trl import prepare_multimodal_messages
 
-from .batch import TensorBatch, scalar_field
-from .data import (
+from ..core.batch import TensorBatch, scalar_field
+from ..core.models import get_tokenizer
+from .datasets import (
     get_images,
     get_videos,
     is_conversational_prompt,
@@ -17,7 +18,6 @@ from .data import (
     split_prompt_completion,
     tokenize_prompt_completion,
 )
-from .models import get_tokenizer
 from .vision import prepare_visual_messages, processor_visual_kwargs
 
 

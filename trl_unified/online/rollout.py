@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .batch import TensorBatch, scalar_field
+from ..core.batch import TensorBatch, scalar_field
 
 
 @dataclass
