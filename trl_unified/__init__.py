@@ -6,7 +6,6 @@ from .core.config import PolicyConfig
 from .core.logprobs import compute_token_logprobs, entropy_from_logits, selective_log_softmax
 from .core.reference import ReferenceModel
 from .core.trainer import PolicyTrainerBase
-from .data.datasets import RepeatSampler
 from .data.sft import SFTBatch, SFTCollator
 from .evaluation.answers import answers_match, extract_answer
 from .evaluation.judge import GRMReward
@@ -15,6 +14,7 @@ from .hub.papers import PAPERS
 from .online.config import OnlineConfig
 from .online.rewards import RewardFunctions
 from .online.rollout import RolloutBatch
+from .online.sampler import RepeatSampler
 from .online.trainer import OnlineTrainer
 from .preference.data import PairedBatch, PairedCollator, SequenceBatch, UnpairedBatch, UnpairedCollator
 from .preference.trainer import PreferenceConfig, PreferenceTrainer

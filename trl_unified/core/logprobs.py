@@ -12,6 +12,11 @@ from ..generation.sharing import PrefixSharingUnsupported, cache_kwarg, encode_p
 _CHUNK_ELEMENTS = 2**25
 
 
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: 0 at each row's first real token (as `generate` numbers them)."""
+    return (attention_mask.long().cumsum(1) - attention_mask.long()).clamp(min=0)
+
+
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
     """`log_softmax(logits)` gathered at `index`, without materialising the full-vocabulary log-softmax.
 

@@ -88,3 +88,27 @@ class CompletionLog:
                 names = ["step", "prompt", "completion", "reward", *columns]
                 data = [[step, str(p), str(c), r, *[e.get(k) for k in columns]] for p, c, r, e in rows]
                 wandb.log({"completions": wandb.Table(columns=names, data=data)})
+
+
+def sample_generations(trainer, sampling: bool = False) -> list[dict]:
+    """TRL's sample generations: near-greedy completions (temperature 0.01) for the eval prompts (only the first
+    `per_device_eval_batch_size` rows when `sampling`) with their combined reward; the first rows are printed on
+    the main process; every row is returned as `{"query", "model response", "score"}`."""
+    if trainer.eval_dataset is None or isinstance(trainer.eval_dataset, dict):
+        return []
+    rows = list(trainer.eval_dataset)
+    rows = rows[: trainer.args.per_device_eval_batch_size] if sampling else rows
+    rows = rows[trainer.accelerator.process_index :: trainer.accelerator.num_processes]
+    prompts, _ = trainer._rollout_prompts(rows)
+    temperature, trainer.args.temperature = trainer.args.temperature, 0.01
+    try:
+        out = trainer.generate(prompts)
+    finally:
+        trainer.args.temperature = temperature
+    scores = trainer.rewards.combine(trainer._score(rows, prompts, out.texts, out)).tolist()
+    pairs = zip(gather_object(prompts), gather_object(out.texts), scores, strict=True)
+    table = [{"query": query, "model response": text, "score": score} for query, text, score in pairs]
+    if trainer.accelerator.is_main_process:
+        for row in table[:5]:
+            print(row)
+    return table

@@ -16,6 +16,9 @@ arXiv:1506.02438), over completion positions t of one row, with M_t = 1 up to th
 with V_t the value of the state before token t (0 beyond T + 1) and the score placed one position after the last
 token (TRL's convention: the value of the state after EOS is learned too). Advantages are whitened over the
 process's batch (mean 0, variance 1 over M); rewards optionally too (`whiten_rewards`, mean kept).
+
+`CriticMixin` gives an online trainer the critic's plumbing: attach the value model, its values for a rollout, its
+checkpoints, and a learning rate that moves once per rollout (`EveryNStepsScheduler`).
 """
 
 import contextlib
@@ -24,13 +27,10 @@ import os
 import torch
 from torch import nn
 
+from ..core.logprobs import position_ids_from_mask  # noqa: F401 (re-exported: PPO's users import it here)
+
 
 VALUE_WEIGHTS = "value_model.pt"
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding: 0 at each row's first real token (as `generate` numbers them)."""
-    return (attention_mask.long().cumsum(1) - attention_mask.long()).clamp(min=0)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
@@ -200,3 +200,108 @@ def load_value_model(head: ValueHead, folder: str) -> bool:
         return False
     head.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     return True
+
+
+class EveryNStepsScheduler:
+    """Step the wrapped scheduler once every `every` calls: e.g. once per rollout when a rollout spans `every`
+    optimiser steps (TRL's PPO moves the learning rate once per rollout, `transformers.Trainer` steps the scheduler
+    after every optimiser step)."""
+
+    def __init__(self, scheduler, every: int):
+        self.scheduler, self.every, self.calls = scheduler, every, 0
+
+    def step(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls % self.every == 0:
+            self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self):
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self):
+        return {"scheduler": self.scheduler.state_dict(), "calls": self.calls}
+
+    def load_state_dict(self, state):
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.calls = state["calls"]
+
+    def __getattr__(self, name):  # optimizer, base_lrs, ... of the wrapped scheduler
+        return getattr(self.scheduler, name)
+
+
+class CriticMixin:
+    """An online trainer with a learned critic (PPO): mix in before `OnlineTrainer`, call `attach_critic` in `setup`.
+
+    A subclass may override `optimizer_steps_per_rollout()` (default 1): the learning rate then moves once per that
+    many optimiser steps, as TRL's PPO moves it once per rollout."""
+
+    value_head: ValueHead | None = None  # the attached value model
+
+    def attach_critic(self, value_model) -> None:
+        """Attach a value model (a sequence classifier on the policy's vocabulary, or its id) as a trained submodule
+        of the policy; saving keeps it out of the published policy and checkpoints keep it for an exact resume."""
+        if isinstance(value_model, str):
+            from ..core.models import load_model_plain
+
+            value_model = load_model_plain(value_model, what="value model", num_labels=1)
+        check_value_vocabulary(self.model, value_model)
+        self.value_model = value_model.to(self.args.device)
+        self.value_head = attach_value_model(self.model, self.value_model)
+        # DDP's search for unused parameters (the Trainer's default without gradient checkpointing) starts from the
+        # forward's outputs, which do not contain the values: it would mark the critic unused, and again ready when
+        # its gradient arrives. Every trainable parameter gets a gradient at every step, so no search is needed.
+        if self.args.ddp_find_unused_parameters:
+            raise ValueError(
+                "ddp_find_unused_parameters=True is not supported with a value model (every parameter gets a "
+                "gradient at every step, and the search would mark the critic unused). Leave it None or False."
+            )
+        self.args.ddp_find_unused_parameters = False
+        if getattr(self.accelerator, "ddp_handler", None) is not None:  # built by Trainer.__init__ from the args
+            self.accelerator.ddp_handler.find_unused_parameters = False
+
+    @torch.no_grad()
+    def token_values(self, batch, chunk: int | None = None) -> torch.Tensor:
+        """The critic's values `(B, C)` of the states before each completion token (`chunk` rows per forward),
+        without grad, for the rollout; with grad, the loss requests them from the policy's own forward
+        (`value_head.request_values`), so that DDP sees the critic inside the wrapper's forward."""
+        input_ids, attention_mask, _ = batch.model_inputs()
+        positions = position_ids_from_mask(attention_mask)
+        width, chunk = batch.completion_ids.size(1), chunk or input_ids.size(0)
+        parts = []
+        with self.accelerator.autocast():
+            for i in range(0, input_ids.size(0), chunk):
+                rows = slice(i, i + chunk)
+                parts.append(self.value_head(input_ids[rows], attention_mask[rows], positions[rows], width))
+        return torch.cat(parts)
+
+    def optimizer_steps_per_rollout(self) -> int:
+        """How many optimiser steps share one learning rate (1: the Trainer's schedule)."""
+        return 1
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        every = self.optimizer_steps_per_rollout()
+        if every == 1 or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        super().create_scheduler(max(1, num_training_steps // every), optimizer)
+        self.lr_scheduler = EveryNStepsScheduler(self.lr_scheduler, every)
+        return self.lr_scheduler
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """The policy (the critic is not part of the published model; with `args.save_value_model` it is saved too,
+        in `<output_dir>/value_model`)."""
+        with without_value_model(self.accelerator.unwrap_model(self.model)):
+            super().save_model(output_dir, _internal_call)
+        if getattr(self.args, "save_value_model", False) and not _internal_call and self.is_world_process_zero():
+            self.value_model.save_pretrained(os.path.join(output_dir or self.args.output_dir, "value_model"))
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.value_head is not None and self.is_world_process_zero():
+            folder = os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}")
+            save_value_model(self.value_head, folder)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        with without_value_model(self.accelerator.unwrap_model(self.model)):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if self.value_head is not None:
+            load_value_model(self.value_head, resume_from_checkpoint)

@@ -107,3 +107,42 @@ class RolloutBatch(TensorBatch):
         for key, value in self.prompt_token_inputs.items():
             extra[key] = torch.cat([value, value.new_zeros(value.size(0), width)], dim=1)
         return input_ids, attention_mask, extra
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """What a rollout computes, per mode, resolved once from an online trainer's `old_logps` rule and its config.
+
+    `old_logps` rules (π_old: the per-token log-probs at sampling time, read by the ratio of the loss):
+    - `"trl"`: TRL's rule, only when the policy can change between generation and a use of the batch, i.e. when an
+      optimiser step falls inside one generation round: `gradient_accumulation_steps % (steps_per_generation *
+      num_iterations) != 0`; in training only.
+    - `"always"`: in training and evaluation (PPO: π_old anchors the ratio and the KL penalty).
+    - `"unless_unchanged"`: always, except in training when the policy is unchanged between generation and every
+      use of the batch (one pass, one optimiser step per generation round, and with a reference, the whole
+      generation batch in one micro-batch): then π_old equals the loss forward's log-probs, detached, and the
+      advantages, whose reward is KL-shaped with π_old (RLOO), are computed in the loss (`defers_advantages`).
+    """
+
+    old_logps_train: bool
+    old_logps_eval: bool
+    defer_advantages: bool = False
+
+    @classmethod
+    def resolve(cls, rule: str, args, reference_available: bool) -> "RolloutPlan":
+        if rule == "always":
+            return cls(True, True)
+        if rule == "trl":
+            window = args.steps_per_generation * args.num_iterations
+            return cls(args.gradient_accumulation_steps % window != 0, False)
+        if rule == "unless_unchanged":
+            aligned = args.num_iterations == 1 and args.steps_per_generation == args.gradient_accumulation_steps
+            unchanged = aligned and (args.beta == 0.0 or args.steps_per_generation == 1)
+            return cls(not unchanged, True, defer_advantages=unchanged and reference_available)
+        raise ValueError(f"Unknown old_logps rule {rule!r}: expected 'trl', 'always' or 'unless_unchanged'.")
+
+    def needs_old_logps(self, mode: str) -> bool:
+        return self.old_logps_train if mode == "train" else self.old_logps_eval
+
+    def defers_advantages(self, mode: str) -> bool:
+        return self.defer_advantages and mode == "train"

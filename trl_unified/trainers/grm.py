@@ -93,6 +93,7 @@ class GRMTrainer(PolicyTrainerBase):
 
     _name = "GRM"
     config_class = GRMConfig
+    loss_is_scaled_for_ga = True  # divided by num_items_in_batch, the judgment tokens of the whole step
 
     def __init__(
         self,
@@ -135,7 +136,6 @@ class GRMTrainer(PolicyTrainerBase):
         )
 
     def setup(self) -> None:
-        self.loss_is_scaled_for_ga = True  # divided by num_items_in_batch, the judgment tokens of the whole step
         self.model_accepts_loss_kwargs = True  # so the Trainer counts num_items_in_batch from the labels
 
     # ------------------------------------------------------------------ data

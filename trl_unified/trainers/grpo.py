@@ -150,17 +150,7 @@ class GRPOTrainer(OnlineTrainer):
 
     def compute_policy_loss(self, model, inputs: RolloutBatch, num_items_in_batch=None):
         a, mode, mask = self.args, "train" if self.model.training else "eval", inputs.loss_mask
-        input_ids, attention_mask, extra = inputs.model_inputs()
-        out = self.token_logprobs(
-            model,
-            input_ids,
-            attention_mask,
-            mask.size(1),
-            compute_entropy=True,
-            entropy_requires_grad=self._entropy_bonus_enabled,
-            output_router_logits=self.aux_loss_enabled,
-            **extra,
-        )
+        out = self.policy_logprobs(model, inputs)
         logps, entropies = out.logps, out.entropy
         entropy_mask = None
         if a.top_entropy_quantile < 1.0:
@@ -259,6 +249,26 @@ class GRPOTrainer(OnlineTrainer):
             self.log_metric("vespo/phi_seq_mean", self.masked_global_mean(phi, mask))
         elif self.args.loss_type != "sapo":
             self.log_clip_ratios(ratio, advantages, mask, low, high)
+
+    # ------------------------------------------------------------------ TRL's loss helpers (public on its trainer)
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's helper: tokens whose entropy is at least the `threshold` quantile (`1 - top_entropy_quantile`) of all
+        processes' unmasked token entropies (Beyond the 80/20 Rule, arXiv:2506.01939). `(B, C)` bool."""
+        local = entropies[mask.bool()].float()
+        padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=-1e9)  # entropies are >= 0
+        values = self.accelerator.gather(padded)
+        values = values[values != -1e9]
+        if values.numel() == 0:
+            return torch.zeros_like(entropies, dtype=torch.bool)
+        return ((entropies * mask.float()) >= torch.quantile(values, threshold)) & mask.bool()
+
+    @staticmethod
+    def get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
+        """TRL's helper, DeepSeek-V3.2's off-policy sequence mask `(B, 1)`: drop (0) a sequence with A < 0 whose mean
+        KL(π_old ‖ π_θ) = mean_t (log π_old - log π_θ) over its tokens exceeds the threshold; keep (1) the rest."""
+        kl = torch.nan_to_num(sampling_per_token_logps - per_token_logps.detach(), nan=0.0)
+        mean_kl = (kl * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
+        return ((advantages >= 0) | (mean_kl <= off_policy_threshold)).to(mask.dtype)
 
 
 @torch.no_grad()

@@ -19,13 +19,14 @@ import torch
 
 from ..core.config import document_fields, option
 from ..core.models import get_tokenizer
+from ..online.completion_log import sample_generations
 from ..online.config import OnlineConfig
 from ..online.critic import (
+    CriticMixin,
     gae_advantages,
     kl_per_token,
     masked_mean,
     masked_whiten,
-    position_ids_from_mask,
     rlhf_objective_metrics,
     score_positions,
     value_mask,
@@ -124,14 +125,17 @@ class PPOConfig(OnlineConfig):
             self.max_steps = self.num_total_batches * self.num_ppo_epochs * self.num_mini_batches
 
 
-class PPOTrainer(OnlineTrainer):
+class PPOTrainer(CriticMixin, OnlineTrainer):
     """PPO with a value model (see the module docstring). TRL 1.12's constructor; `reward_funcs` and the online
     core's other arguments are trl_unified additions, keyword-only."""
 
     _name = "PPO"
     config_class = PPOConfig
     loss_is_scaled_for_ga = False  # per-micro-batch token means: the Trainer divides by the micro-batches
+    old_logps = "always"  # the rollout's log-probs anchor the ratio and the KL penalty
     old_logps_from_sampling = True  # TRL's PPO reads them from generation's logits: no extra policy forward
+    reshuffle_each_iteration = True  # each PPO epoch draws new mini-batches
+    positions_from_mask = True  # position ids skip left padding in every forward, as in generation (TRL's PPO)
 
     def __init__(
         self,
@@ -204,16 +208,6 @@ class PPOTrainer(OnlineTrainer):
     def optimizer_steps_per_rollout(self) -> int:
         return self.args.num_ppo_epochs * self.args.num_mini_batches  # the learning rate moves once per rollout
 
-    def reshuffles_each_iteration(self) -> bool:
-        return True  # each PPO epoch draws new mini-batches
-
-    def needs_old_logps(self, mode: str) -> bool:
-        return True  # the rollout's log-probs anchor the ratio and the KL penalty
-
-    def token_logprobs(self, model, input_ids, attention_mask, logits_to_keep, **kwargs):
-        kwargs.setdefault("position_ids", position_ids_from_mask(attention_mask))  # as in generation (TRL's PPO)
-        return super().token_logprobs(model, input_ids, attention_mask, logits_to_keep, **kwargs)
-
     # ------------------------------------------------------------------ per-token rewards and GAE
     def assign_advantages(self, rewards, rewards_per_func, batch: RolloutBatch, mode: str):
         args, mask, n = self.args, batch.loss_mask.float(), len(batch)
@@ -268,6 +262,10 @@ class PPOTrainer(OnlineTrainer):
             self.log_metric("policy/entropy_avg", out.entropy.mean().item())
             self.log_metric("val/ratio", ratio.mean().item())
         return pg_loss + args.vf_coef * vf_loss
+
+    def generate_completions(self, sampling: bool = False) -> list[dict]:
+        """TRL's sample generations (see `online/completion_log.py`, `sample_generations`)."""
+        return sample_generations(self, sampling)
 
     def log(self, logs, start_time=None):
         ratios = self._metrics["train" if self.model.training else "eval"].get("val/ratio", [])

@@ -76,23 +76,10 @@ class RLOOTrainer(OnlineTrainer):
     _name = "RLOO"
     config_class = RLOOConfig
     loss_is_scaled_for_ga = False  # per-micro-batch mean: the Trainer divides by gradient accumulation
-
-    @property
-    def _reuses_policy_logps(self) -> bool:
-        """True when the policy is unchanged between generation and every use of the batch (one pass, one optimiser
-        step per generation round): then log pi_old == log pi_theta numerically and the extra no-grad forward that
-        TRL always runs is skipped. With beta > 0 the KL shaping then happens in the loss, which needs the whole
-        generation batch in one micro-batch (steps_per_generation == 1)."""
-        args = self.args
-        aligned = args.num_iterations == 1 and args.steps_per_generation == args.gradient_accumulation_steps
-        return aligned and (args.beta == 0.0 or args.steps_per_generation == 1)
-
-    def needs_old_logps(self, mode: str) -> bool:
-        return mode == "eval" or not self._reuses_policy_logps
-
-    def defers_advantages(self) -> bool:
-        """The KL shaping of the reward needs pi_old, which is the loss forward's when no old log-probs were kept."""
-        return self.model.training and self._reuses_policy_logps and self.reference.available
+    # TRL's RLOO always runs a no-grad forward for π_old. When the policy cannot change between generation and the
+    # loss (one pass, one optimiser step per round), π_old is the loss forward's, detached: that forward is skipped
+    # and the KL shaping of the reward, which needs π_old, waits for the loss (`RolloutPlan`, "unless_unchanged").
+    old_logps = "unless_unchanged"
 
     def compute_advantages(self, rewards, rewards_per_func, batch: RolloutBatch, mode: str) -> torch.Tensor:
         kl = None
@@ -125,22 +112,12 @@ class RLOOTrainer(OnlineTrainer):
         return torch.nan_to_num(advantages, nan=0.0)
 
     def compute_policy_loss(self, model, inputs: RolloutBatch, num_items_in_batch=None):
-        mask = inputs.loss_mask
-        input_ids, attention_mask, extra = inputs.model_inputs()
-        out = self.token_logprobs(
-            model,
-            input_ids,
-            attention_mask,
-            mask.size(1),
-            compute_entropy=True,
-            output_router_logits=self.aux_loss_enabled,
-            **extra,
-        )
+        mask, mode = inputs.loss_mask, "train" if self.model.training else "eval"
+        out = self.policy_logprobs(model, inputs)
         logps = (out.logps * mask).sum(1)  # (B,); padding and post-EOS tokens masked
         old_logps = (inputs.old_logps * mask).sum(1) if inputs.old_logps is not None else logps.detach()
-        advantages = (
-            self._deferred_advantages(inputs, out.logps.detach()) if self.defers_advantages() else inputs.advantages
-        )
+        deferred = self.plan.defers_advantages(mode)
+        advantages = self._deferred_advantages(inputs, out.logps.detach()) if deferred else inputs.advantages
         assert logps.shape == advantages.shape, (logps.shape, advantages.shape)
         ratio = torch.exp(logps - old_logps)  # (B,)
         low, high = 1 - self.args.epsilon, 1 + (self.args.epsilon_high or self.args.epsilon)
@@ -151,7 +128,7 @@ class RLOOTrainer(OnlineTrainer):
         return loss
 
     def _deferred_advantages(self, inputs: RolloutBatch, policy_tok: torch.Tensor) -> torch.Tensor:
-        """Advantages for a batch whose KL shaping waited for the loss's forward (see `_reuses_policy_logps`).
+        """Advantages for a batch whose KL shaping waited for the loss's forward (see `old_logps` above).
         Rows may have been shuffled: `row_index` puts every process's rows back in generation order."""
         own = inputs.row_index
         order = gather(own)

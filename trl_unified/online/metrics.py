@@ -1,0 +1,74 @@
+"""TRL's metrics of an online rollout and its loss, averaged over every process: completion lengths, tools,
+rewards, token-weighted means and clip ratios."""
+
+import torch
+from accelerate.utils import gather
+
+from .rewards import nanstd
+
+
+class OnlineMetricsMixin:
+    """Metric logging of `OnlineTrainer` (a mixin: it reads `self.accelerator`, `self.state`, `self.rewards`)."""
+
+    def _log_generation_metrics(self, mode, out, sampled):
+        """TRL's completion metrics, over the tokens the model sampled (tool-result tokens do not count), and the
+        tool metrics when there are tools: calls per rollout and failures per call, over all processes."""
+        lengths = gather(out.model_token_mask.sum(1).float())
+        truncated = gather(out.is_truncated.float())
+        if mode == "train":
+            tokens = gather(out.prompt_mask.sum() + out.model_token_mask.sum()).sum().item()
+            self.state.num_input_tokens_seen += tokens
+        if self.tools:
+            device = lengths.device
+            calls = gather(torch.tensor([float(sampled.tool_calls)], device=device)).sum()
+            failures = gather(torch.tensor([float(sampled.tool_failures)], device=device)).sum()
+            self.log_metric("tools/call_frequency", (calls / lengths.numel()).item())
+            self.log_metric("tools/failure_frequency", (failures / calls).item() if calls > 0 else 0.0)
+            # trl_unified's addition (TRL 1.16 logs no turn count): model turns per completion
+            turns = [
+                sum(m.get("role") == "assistant" for m in c) if isinstance(c, list) else 1 for c in sampled.completions
+            ]
+            self.log_metric(
+                "tools/turns_per_completion", gather(torch.tensor(turns, device=device).float()).mean().item()
+            )
+        self.log_metric("num_tokens", self.state.num_input_tokens_seen)
+        terminated = lengths[truncated == 0] if (truncated == 0).any() else torch.zeros(1, device=lengths.device)
+        for name, values in (("", lengths), ("terminated_", terminated)):
+            self.log_metric(f"completions/mean_{name}length", values.mean().item())
+            self.log_metric(f"completions/min_{name}length", values.min().item())
+            self.log_metric(f"completions/max_{name}length", values.max().item())
+        self.log_metric("completions/clipped_ratio", truncated.mean().item())
+
+    def _log_reward_metrics(self, rewards_per_func, rewards):
+        for i, name in enumerate(self.rewards.names):
+            self.log_metric(f"rewards/{name}/mean", torch.nanmean(rewards_per_func[:, i]).item())
+            self.log_metric(f"rewards/{name}/std", nanstd(rewards_per_func[:, i]).item())
+        self.log_metric("reward", torch.nanmean(rewards).item())
+        self.log_metric("reward_std", nanstd(rewards).item())
+
+    def masked_global_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
+        """Mean over all processes: token-weighted under `mask` for `(B, C)`, per sequence for `(B, 1)`."""
+        if x.size(1) == 1:
+            total, count = x.sum(), x.new_tensor(float(x.size(0)))
+        else:
+            total, count = (x * mask).sum(), mask.sum().float()
+        stats = self.accelerator.reduce(torch.stack([total, count]), reduction="sum")
+        return (stats[0] / stats[1].clamp(min=1.0)).item()
+
+    def log_clip_ratios(self, ratio, advantages, mask, low: float, high: float) -> None:
+        """TRL's `clip_ratio/*`: how often the ratio (per token `(B, C)`, or per sequence `(B, 1)`) was clipped
+        below (ratio < low with A < 0) and above (ratio > high with A > 0), as global means, and the extreme
+        per-sequence fractions over all processes."""
+        advantages = advantages.view(ratio.size(0), -1)
+        low_clip = ((ratio < low) & (advantages < 0)).float()
+        high_clip = ((ratio > high) & (advantages > 0)).float()
+        per_sequence = (
+            (lambda x: x.squeeze(1)) if ratio.size(1) == 1 else (lambda x: (x * mask).sum(-1) / mask.sum(-1))
+        )
+        self.log_metric("clip_ratio/low_mean", self.masked_global_mean(low_clip, mask))
+        self.log_metric("clip_ratio/high_mean", self.masked_global_mean(high_clip, mask))
+        self.log_metric("clip_ratio/region_mean", self.masked_global_mean(((low_clip + high_clip) > 0).float(), mask))
+        for name, values, reduce in (("low_min", low_clip, torch.min), ("high_max", high_clip, torch.max)):
+            gathered = gather(per_sequence(values))
+            gathered = gathered[~torch.isnan(gathered)]
+            self.log_metric(f"clip_ratio/{name}", reduce(gathered).item() if gathered.numel() else float("nan"))

@@ -1,0 +1,75 @@
+"""The online trainers' samplers: each prompt `mini_repeat_count` times in a row (one group of completions), the
+generation batch repeated for every micro-batch and pass that reads it; `RepeatedIterable` is the streaming twin."""
+
+from collections.abc import Iterator, Sized
+
+import torch
+from datasets import IterableDataset
+from torch.utils.data import Sampler
+
+
+class RepeatSampler(Sampler):
+    """Yield each index `mini_repeat_count` times in a row, in chunks of `batch_size` distinct indices, each chunk
+    repeated `repeat_count` times. Incomplete final chunks are dropped.
+
+    This is how an online trainer lays out a generation batch: the `G` completions of a prompt are contiguous
+    (so a group is easy to find), and the same prompts come back for `num_iterations * steps_per_generation`
+    micro-steps. The order equals `trl`'s sampler for the same seed.
+
+    Example:
+    ```python
+    >>> list(RepeatSampler(["a", "b", "c", "d"], mini_repeat_count=2, batch_size=2, repeat_count=1, shuffle=False))
+    [0, 0, 1, 1, 2, 2, 3, 3]
+    ```
+    """
+
+    def __init__(
+        self,
+        data_source: Sized,
+        mini_repeat_count: int,
+        batch_size: int = 1,
+        repeat_count: int = 1,
+        shuffle: bool = True,
+        seed: int | None = None,
+    ):
+        self.num_samples = len(data_source)
+        self.mini_repeat_count, self.batch_size, self.repeat_count = mini_repeat_count, batch_size, repeat_count
+        self.shuffle = shuffle
+        self.generator = torch.Generator()
+        if seed is not None:
+            self.generator.manual_seed(seed)
+
+    def __iter__(self) -> Iterator[int]:
+        order = (
+            torch.randperm(self.num_samples, generator=self.generator).tolist()
+            if self.shuffle
+            else range(self.num_samples)
+        )
+        order = list(order)
+        chunks = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        for chunk in (c for c in chunks if len(c) == self.batch_size):
+            for _ in range(self.repeat_count):
+                for index in chunk:
+                    yield from [index] * self.mini_repeat_count
+
+    def __len__(self) -> int:
+        return (self.num_samples // self.batch_size) * self.batch_size * self.mini_repeat_count * self.repeat_count
+
+
+class RepeatedIterable(torch.utils.data.IterableDataset):
+    """Streaming counterpart of `RepeatSampler`: chunks of `prompts_per_batch` rows, each row repeated
+    `mini_repeat_count` times in a row, each chunk repeated `repeat_count` times."""
+
+    def __init__(self, dataset: IterableDataset, mini_repeat_count: int, prompts_per_batch: int, repeat_count: int):
+        self.dataset, self.mini_repeat_count = dataset, mini_repeat_count
+        self.prompts_per_batch, self.repeat_count = prompts_per_batch, repeat_count
+
+    def __iter__(self):
+        chunk = []
+        for row in self.dataset:
+            chunk.append(row)
+            if len(chunk) == self.prompts_per_batch:
+                for _ in range(self.repeat_count):
+                    for item in chunk:
+                        yield from [item] * self.mini_repeat_count
+                chunk = []
