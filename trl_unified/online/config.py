@@ -180,6 +180,11 @@ class OnlineConfig(PolicyConfig):
         if self.beta < 0:
             raise ValueError(f"beta={self.beta} must be >= 0 (0 disables the KL penalty and the reference model).")
 
+    def clip_range(self) -> tuple[float, float]:
+        """The ratio's clipping bounds `(1 - epsilon, 1 + epsilon_high)`, `epsilon_high` defaulting to `epsilon` only
+        when it is None (TRL's rule: `epsilon_high=0.0` clips the ratio at 1)."""
+        return 1 - self.epsilon, 1 + (self.epsilon_high if self.epsilon_high is not None else self.epsilon)
+
     def uses_reference_model(self) -> bool:
         return self.beta != 0.0
 

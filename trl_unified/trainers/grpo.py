@@ -163,7 +163,7 @@ class GRPOTrainer(OnlineTrainer):
         else:
             log_ratio_used = log_ratio  # (B, C)
         ratio = torch.exp(log_ratio_used)
-        low, high = 1 - a.epsilon, 1 + (a.epsilon_high if a.epsilon_high is not None else a.epsilon)
+        low, high = a.clip_range()
         if a.loss_type == "cispo":
             per_token_loss = -torch.clamp(ratio, max=high - 1).detach() * advantages * logps
         elif a.loss_type == "sapo":

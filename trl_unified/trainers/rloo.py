@@ -120,7 +120,7 @@ class RLOOTrainer(OnlineTrainer):
         advantages = self._deferred_advantages(inputs, out.logps.detach()) if deferred else inputs.advantages
         assert logps.shape == advantages.shape, (logps.shape, advantages.shape)
         ratio = torch.exp(logps - old_logps)  # (B,)
-        low, high = 1 - self.args.epsilon, 1 + (self.args.epsilon_high or self.args.epsilon)
+        low, high = self.args.clip_range()
         loss = -torch.min(ratio * advantages, ratio.clamp(low, high) * advantages).mean()
         loss = self.add_aux_loss(loss, out.aux_loss)
         self.log_metric("entropy", self.masked_global_mean(out.entropy, mask))
