@@ -155,48 +155,10 @@ def build_vision_language_model(words: list[str] | None = None, seed: int = 0, v
     2 frames per temporal patch), which needs torchvision (`pip install trl_unified[vision]`).
     """
     import torch
-    from transformers import ProcessorMixin, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    tokenizer = build_tokenizer(words)
-    tokenizer.add_special_tokens(
-        {
-            "additional_special_tokens": [
-                "<|im_start|>",
-                "<|im_end|>",
-                "<|vision_start|>",
-                "<|vision_end|>",
-                "<|image_pad|>",
-                "<|video_pad|>",
-            ]
-        }
-    )
-    tokenizer.chat_template = VL_CHAT_TEMPLATE
-    image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2
-    )
-    video_processor = None
-    if video:
-        from transformers import Qwen2VLVideoProcessor
-
-        video_processor = Qwen2VLVideoProcessor(
-            size={"shortest_edge": 28 * 28, "longest_edge": 56 * 56},
-            patch_size=14,
-            merge_size=2,
-            temporal_patch_size=2,
-            cap_pixels_per_frame=False,
-        )
-    check = ProcessorMixin.check_argument_for_proper_class
-    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: type(arg)
-    try:
-        processor = Qwen2VLProcessor(
-            image_processor=image_processor,
-            tokenizer=tokenizer,
-            video_processor=video_processor,
-            chat_template=VL_CHAT_TEMPLATE,
-        )
-    finally:
-        ProcessorMixin.check_argument_for_proper_class = check
+    processor = _build_vision_processor(words, video)
+    tokenizer = processor.tokenizer
     ids = tokenizer.convert_tokens_to_ids
     text = dict(
         vocab_size=len(tokenizer),
@@ -240,6 +202,53 @@ def build_vision_language_model(words: list[str] | None = None, seed: int = 0, v
     model.generation_config.bos_token_id = None
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, processor
+
+
+def _build_vision_processor(words: list[str] | None, video: bool):
+    """The Qwen2-VL processor of `build_vision_language_model` (see its docstring for the torchvision check)."""
+    from transformers import ProcessorMixin, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = build_tokenizer(words)
+    tokenizer.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                "<|im_start|>",
+                "<|im_end|>",
+                "<|vision_start|>",
+                "<|vision_end|>",
+                "<|image_pad|>",
+                "<|video_pad|>",
+            ]
+        }
+    )
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2
+    )
+    video_processor = None
+    if video:
+        from transformers import Qwen2VLVideoProcessor
+
+        video_processor = Qwen2VLVideoProcessor(
+            size={"shortest_edge": 28 * 28, "longest_edge": 56 * 56},
+            patch_size=14,
+            merge_size=2,
+            temporal_patch_size=2,
+            cap_pixels_per_frame=False,
+        )
+    check = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: type(arg)
+    try:
+        processor = Qwen2VLProcessor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            video_processor=video_processor,
+            chat_template=VL_CHAT_TEMPLATE,
+        )
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+    return processor
 
 
 def build_image(seed: int = 0, size: int = 56):

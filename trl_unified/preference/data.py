@@ -63,16 +63,20 @@ def split_completions(row: dict, processing_class, keys: tuple[str, ...]) -> dic
         **({"add_generation_prompt": True} if conversational else {}),
     )
     full = {key: tokenize(processing_class, row["prompt"] + row[key], **template_kwargs) for key in keys}
+    prompt_len = _divergence(prompt_ids, full, get_tokenizer(processing_class))
+    return {"prompt_ids": prompt_ids[:prompt_len], **{f"{key}_ids": ids[prompt_len:] for key, ids in full.items()}}
+
+
+def _divergence(prompt_ids: list[int], full: dict[str, list[int]], tokenizer) -> int:
+    """Where every tokenised prompt + completion leaves the tokenised prompt (its length when it is a prefix)."""
     prompt_len = min(common_prefix_length(prompt_ids, ids) for ids in full.values())
     if prompt_len < len(prompt_ids):
         logger.warning(
             "The tokenised prompt is not a prefix of the tokenised prompt + completion (chat template or a token "
             f"merging across the boundary); the completion starts where they diverge, dropping "
-            f"{processing_class.decode(prompt_ids[prompt_len:])!r} from the prompt, as TRL does."
+            f"{tokenizer.decode(prompt_ids[prompt_len:])!r} from the prompt, as TRL does."
         )
-    out = {"prompt_ids": prompt_ids[:prompt_len]}
-    out.update({f"{key}_ids": ids[prompt_len:] for key, ids in full.items()})
-    return out
+    return prompt_len
 
 
 def split_completions_with_images(row: dict, processing_class, keys: tuple[str, ...]) -> dict[str, Any]:
@@ -98,13 +102,9 @@ def split_completions_with_images(row: dict, processing_class, keys: tuple[str, 
         key: ids(render_conversation(processing_class, row["prompt"] + row[key], images, videos, **template_kwargs))
         for key in keys
     }
-    prompt_len = min(common_prefix_length(prompt_ids, value) for value in full.values())
+    prompt_len = _divergence(prompt_ids, full, tokenizer)
     if prompt_len < len(prompt_ids):
         prompt_text = tokenizer.decode(prompt_ids[:prompt_len])
-        logger.warning(
-            "The tokenised prompt is not a prefix of the tokenised prompt + completion; the completion starts where "
-            f"they diverge, dropping {tokenizer.decode(prompt_ids[prompt_len:])!r} from the prompt, as TRL does."
-        )
     return {"prompt_text": prompt_text, **{f"{key}_ids": value[prompt_len:] for key, value in full.items()}}
 
 
@@ -120,7 +120,7 @@ def prepare_preference_dataset(dataset, processing_class, args, name: str, paire
     if not paired and "chosen" in first:
         dataset = unpair_preference_dataset(dataset, **map_kwargs)
     keys = ("chosen", "rejected") if paired else ("completion",)
-    if has_visuals(first):  # images and videos stay in the rows; the collator processes them (base/vision.py)
+    if has_visuals(first):  # images and videos stay in the rows; the collator processes them (data/vision.py)
         return dataset.map(
             split_completions_with_images, fn_kwargs={"processing_class": processing_class, "keys": keys}, **map_kwargs
         )

@@ -3,7 +3,7 @@ arXiv:1909.08593): a drop-in for TRL 1.12's `trl.experimental.ppo.PPOTrainer` (g
 
 A rollout samples one completion per prompt and builds per-token rewards `-kl_coef · KL_t` (k1/k3) plus the score
 after the last token (minus `missing_eos_penalty` without EOS), GAE advantages `A_t` (γ = `gamma`, λ = `lam`) from
-the critic's values `V_t`, whitened, and returns `R_t = A_t + V_t` (formulas: `base/critic.py`). Then
+the critic's values `V_t`, whitened, and returns `R_t = A_t + V_t` (formulas: `online/critic.py`). Then
 `num_ppo_epochs` passes of `num_mini_batches` shuffled mini-batches, one optimiser step each, minimise (ρ_t =
 π_θ / π_old per token, M = completion tokens, M1 = M and the score position, means over a micro-batch's tokens):
 
@@ -121,8 +121,13 @@ class PPOConfig(OnlineConfig):
         self.num_iterations = self.num_ppo_epochs
         self.gradient_accumulation_steps = accumulation // self.num_mini_batches
         if self.total_episodes is not None and self.max_steps <= 0:
-            self.num_total_batches = -(-self.total_episodes // self.batch_size)
-            self.max_steps = self.num_total_batches * self.num_ppo_epochs * self.num_mini_batches
+            self.set_total_episodes(self.total_episodes)
+
+    def set_total_episodes(self, episodes: int) -> None:
+        """TRL's length of a run: `episodes` prompts, in rollouts of `batch_size`, each `num_ppo_epochs` passes of
+        `num_mini_batches` optimiser steps."""
+        self.total_episodes, self.num_total_batches = episodes, -(-episodes // self.batch_size)
+        self.max_steps = self.num_total_batches * self.num_ppo_epochs * self.num_mini_batches
 
 
 class PPOTrainer(CriticMixin, OnlineTrainer):
@@ -199,9 +204,7 @@ class PPOTrainer(CriticMixin, OnlineTrainer):
         self.eos_token_ids = [get_tokenizer(self.processing_class).eos_token_id] if args.stop_token else []
         self.eos_token_ids += [stop] if stop is not None else []  # neither: every completion is response_length long
         if args.total_episodes is None and args.max_steps <= 0:  # TRL: episodes = epochs over the data
-            args.total_episodes = int(args.num_train_epochs * len(self.train_dataset))
-            args.num_total_batches = -(-args.total_episodes // args.batch_size)
-            args.max_steps = args.num_total_batches * args.num_ppo_epochs * args.num_mini_batches
+            args.set_total_episodes(int(args.num_train_epochs * len(self.train_dataset)))
         samples, rollouts = args.num_sample_generations, args.num_total_batches or args.max_steps
         self._sample_every, self._start_time = max(1, rollouts // samples) if samples > 0 else 0, time.time()
 
