@@ -9,7 +9,13 @@ from .core.trainer import PolicyTrainerBase
 from .data.sft import SFTBatch, SFTCollator
 from .evaluation.answers import answers_match, extract_answer
 from .evaluation.judge import GRMReward
-from .generation.batched import GenerationOutput, build_generation_config, generate_batched, unwrap_for_generation
+from .generation import (
+    GenerationOptions,
+    GenerationOutput,
+    build_generation_config,
+    generate_batched,
+    unwrap_for_generation,
+)
 from .hub.papers import PAPERS
 from .online.config import OnlineConfig
 from .online.rewards import RewardFunctions
@@ -35,6 +41,7 @@ __all__ = [
     "GRMTrainer",
     "GRPOConfig",
     "GRPOTrainer",
+    "GenerationOptions",
     "GenerationOutput",
     "KTOConfig",
     "KTOTrainer",

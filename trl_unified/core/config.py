@@ -216,9 +216,10 @@ class PolicyConfig(TrainingArguments):
     lean_decoding: bool = field(
         default=True,
         metadata={
-            "help": "trl_unified only. Decode with trl_unified's lean loop (base/decode.py: the same tokens as "
+            "help": "trl_unified only. Decode with trl_unified's lean loop (generation/lean.py: the same tokens as "
             "model.generate, without its per-token bookkeeping) wherever the model and generation options allow it, "
-            "and on CPU multiply by float32 linear weights packed once per generation call (base/packed_weights.py). "
+            "and on CPU multiply by float32 linear weights packed once per generation call "
+            "(generation/packed_weights.py). "
             "Other cases use model.generate (the reason logged once). False: always model.generate."
         },
     )

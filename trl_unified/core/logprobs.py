@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generation.sharing import PrefixSharingUnsupported, cache_kwarg, encode_prefix, group_prompts, report_fallback
+from ..generation.fallbacks import report_fallback
+from ..generation.sharing import PrefixSharingUnsupported, cache_kwarg, encode_prefix, group_prompts
 
 
 # Rows per log-softmax chunk are chosen so one chunk's float32 logits stay under this many elements.
@@ -109,9 +110,9 @@ def compute_token_logprobs(
             target ids `(b, C)`; returns `(b, C)` tensors by name, concatenated into `TokenLogprobs.stats` (per-token
             metrics that need the full logits, computed while they exist).
         shared_prefix (`bool`, *optional*, defaults to `False`): encode each distinct prompt (`input_ids[:, :-C]`) of a
-            chunk once and reuse its KV cache for the rows that repeat it (see `base/prefix.py`); same log-probs and,
-            under grad, same gradients as the plain forward, less compute when prompts repeat. The caller decides
-            whether the model supports it (`prefix.unsupported_reason`).
+            chunk once and reuse its KV cache for the rows that repeat it (see `generation/sharing.py`); same
+            log-probs and, under grad, same gradients as the plain forward, less compute when prompts repeat. The
+            caller decides whether the model supports it (`sharing.may_share_prefix`).
         position_ids (`torch.LongTensor`, *optional*): `(B, P + C)` positions, e.g. those of another layout of the
             same rows (`preference_data.shared_prompt_layout`); the model's default otherwise.
         **forward_kwargs (`Any`): other model inputs with a leading batch dimension (e.g. `token_type_ids`), or, for

@@ -18,8 +18,8 @@ from ..data.datasets import (
     has_iterable,
 )
 from ..evaluation.generative import GenerativeEvalMixin
-from ..generation.batched import build_generation_config, generate_batched, get_eos_token_ids
-from ..generation.sharing import report_fallback, unsupported_reason
+from ..generation import build_generation_config, generate_batched, get_eos_token_ids
+from ..generation.sharing import may_share_prefix, unsupported_reason
 from ..hub.model_card import write_model_card
 from ..hub.papers import PAPERS
 from .batch import TensorBatch
@@ -149,7 +149,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         self.setup()
         self._check_shared_prefix_support()
         self.sync_reference_every_steps()
-        install_distributed_shutdown()  # see base/shutdown.py: no SIGABRT at exit
+        install_distributed_shutdown()  # see core/shutdown.py: no SIGABRT at exit
         if hasattr(self.model, "add_model_tags"):
             self.model.add_model_tags(self._tag_names)
 
@@ -302,19 +302,22 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
                 model, input_ids, attention_mask, logits_to_keep, temperature=self.args.temperature, **kwargs
             )
 
-    def uses_shared_prefix(self, model, where: str, extra=None, router_logits=False, obstacle=None) -> bool:
-        """Whether `where` (e.g. "log-prob forward") encodes repeated prompts once (`args.shared_prefix`, see
-        `base/prefix.py`); a fallback is reported once, with its reason: the model (`prefix.unsupported_reason`),
-        extra inputs such as images, the MoE loss (`router_logits`), or a caller's `obstacle`."""
+    def uses_shared_prefix(
+        self, model, where: str, extra=None, router_logits=False, generation_config=None, continuous_batching=False
+    ) -> bool:
+        """Whether `where` (e.g. "log-prob forward") encodes repeated prompts once (`args.shared_prefix`): the one
+        decision of `generation/sharing.py` (`may_share_prefix`: the model, extra inputs such as images, the MoE loss,
+        beam search, continuous batching), a fallback reported once with its reason."""
         if self.args.shared_prefix is False:
             return False
-        reason = unsupported_reason(model, extra)
-        if reason is None and router_logits:
-            reason = "the MoE load-balancing loss is computed over every row's tokens"
-        reason = reason or obstacle
-        if reason is not None:
-            report_fallback(where, reason)
-        return reason is None
+        return may_share_prefix(
+            where,
+            model,
+            extra,
+            router_logits=router_logits,
+            generation_config=generation_config,
+            continuous_batching=continuous_batching,
+        )
 
     def _check_shared_prefix_support(self) -> None:
         if self.args.shared_prefix is True:

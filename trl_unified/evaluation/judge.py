@@ -9,7 +9,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from ..core.models import from_pretrained_checked, get_tokenizer, load_model_plain
 from ..data.datasets import is_conversational_prompt
 from ..data.vision import prepare_visual_messages
-from ..generation.batched import generate_batched, get_eos_token_ids
+from ..generation import generate_batched, get_eos_token_ids
 from .answers import extract_answer
 
 

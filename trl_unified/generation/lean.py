@@ -3,23 +3,22 @@
 `lean_generate` runs the same forward passes, logits processors and sampling calls as `GenerationMixin._sample`, in
 the same order, so it draws the same random numbers and returns the same tokens (greedy and seeded sampling,
 including temperature, top-k, top-p, min-p and repetition penalty); the equality to `model.generate` is tested token
-for token in tests/base/test_decode.py. What it leaves out is the work `generate` redoes at every token: preparing
-the model inputs and the position ids from the full attention mask, re-checking stopping criteria objects, and
-growing the prompt + completion tensors by concatenation (here: preallocated buffers, one view per step).
+for token in tests/generation/test_decode.py. What it leaves out is the work `generate` redoes at every token:
+preparing the model inputs and the position ids from the full attention mask, re-checking stopping criteria objects,
+and growing the prompt + completion tensors by concatenation (here: preallocated buffers, one view per step).
 
 Only the options listed in `SUPPORTED_OPTIONS` are handled. A configuration that sets any other option (beam search,
 stop strings, bad words, returned scores, a static cache, ...), a model or input this loop does not cover (encoder-
 decoder, image or video inputs, sharded parameters), is decoded by `model.generate`; `unsupported_reason` names why
-and `generate_batched` logs it once.
+and `generate_batched` logs it once (`report_fallback`, logger `trl_unified.generation.lean`).
 
 On CPU, decoding spends most of its time in matrix products with a handful of rows (one token per sequence) against
-the full weight matrices; `packed_linear_weights` (base/packed_weights.py) makes those cheaper for both paths.
+the full weight matrices; `packed_linear_weights` (generation/packed_weights.py) makes those cheaper for both paths.
 """
 
 import copy
 import functools
 import inspect
-import logging
 
 import torch
 from transformers import (
@@ -37,8 +36,6 @@ from transformers import (
 from .sharing import _base_model, cache_kwarg, generation_positions
 
 
-logger = logging.getLogger(__name__)
-_reported: set[str] = set()
 _unsupported_models: dict[type, str] = {}  # model classes whose forward turned out not to return a KV cache
 _GENERATE = GenerationMixin.generate  # transformers' own, as imported: a later patch of it is a custom generate
 
@@ -130,13 +127,6 @@ def unsupported_reason(model, generation_config: GenerationConfig | None, model_
     return None
 
 
-def report_fallback(reason: str) -> None:
-    """One info-level line per reason: why `model.generate` decodes instead of the lean loop."""
-    if reason not in _reported:
-        _reported.add(reason)
-        logger.info(f"generate_batched decodes with model.generate instead of the lean loop: {reason}.")
-
-
 def logits_processors(generation_config: GenerationConfig, attention_mask: torch.Tensor) -> LogitsProcessorList:
     """The processors `GenerationMixin._get_logits_processor` builds for the supported options, in its order:
     repetition penalty (left padding not penalised), then, when sampling, temperature, top-k, top-p, min-p."""
@@ -185,7 +175,7 @@ def lean_generate(
         generation_config (`GenerationConfig`, *optional*): decoding options (only `SUPPORTED_OPTIONS`), resolved as
             `generate` resolves them (`effective_generation_config`); the model's own when None.
         cache (`transformers.Cache`, *optional*): a KV cache holding the first `cached_length` prompt positions of
-            every row (e.g. from `prefix.encode_prefix`); the prefill then runs the remaining prompt positions only.
+            every row (e.g. from `sharing.encode_prefix`); the prefill then runs the remaining prompt positions only.
         cached_length (`int`): how many prompt positions `cache` holds.
         return_logprobs (`bool`): also return `(B, n)` log-probs of the chosen tokens under the model at the sampling
             temperature, `log_softmax(logits / T)` (before top-k / top-p / min-p / repetition penalty, which only
@@ -262,3 +252,15 @@ def lean_generate(
     if return_logprobs:
         return ids[:, :length], logprobs[:, : length - prompt_length]
     return ids[:, :length]
+
+
+def generate_chunk(
+    model, chunk: dict, generation_config: GenerationConfig, prefix_cache: Cache | None = None, return_logprobs=False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The lean loop as a `generate_batched` engine: one padded chunk (`input_ids`, `attention_mask`), optionally on
+    a `prefix_cache` of every prompt position but the last; prompt + new tokens, and with `return_logprobs` their
+    log-probs (else None). Raises `LeanDecodeUnsupported` when the model turns out not to fit."""
+    ids, mask = chunk["input_ids"], chunk["attention_mask"]
+    cached = ids.size(1) - 1 if prefix_cache is not None else 0
+    out = lean_generate(model, ids, mask, generation_config, prefix_cache, cached, return_logprobs)
+    return out if return_logprobs else (out, None)

@@ -10,7 +10,8 @@ matmul on the packed copy until it ends; the packed copies are freed on exit.
 
 The packed product computes the same float32 dot products with a different summation order, so logits can differ
 from `F.linear`'s in the last bits (~1e-6 relative); a sampled token changes only if two candidates tie to that
-precision. tests/base/test_decode.py checks the logits against `F.linear` and the tokens against `model.generate`.
+precision. tests/generation/test_decode.py checks the logits against `F.linear` and the tokens against
+`model.generate`.
 
 Used for float32 weights on CPU only (other dtypes, devices, quantised or hooked layers keep their forward), and
 only when a generation call decodes enough tokens to repay the packing (`MIN_NEW_TOKENS`).

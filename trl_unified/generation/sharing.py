@@ -1,21 +1,24 @@
-"""Shared-prefix encoding: rows that repeat a prompt (the G completions of an online group) encode it once.
+"""Shared-prefix encoding: rows that repeat a prompt (the G completions of an online group) encode it once; and the
+decisions whether a forward or a generation may share prompts, with the reason when not.
 
 Prefix Grouper (Liu et al., 2025, arXiv:2506.05433): running the shared prompt once and reusing its key/value cache for
 every completion gives the same outputs, and, since autograd flows back through the cache, the same gradients, as
 running each row on its own, while the prompt's compute is paid once per distinct prompt instead of once per row.
 Only the public transformers API is used (`past_key_values`, `DynamicCache.batch_select_indices`, attention masks
 that cover past + new tokens), so any decoder-only model with a dynamic KV cache can take this path.
+
+Fallbacks are reported once per reason by `report_fallback` (generation/fallbacks.py, logger
+`trl_unified.generation.sharing`).
 """
 
 import inspect
-import logging
 
 import torch
 from transformers import Cache
 
+from .fallbacks import report_fallback
 
-logger = logging.getLogger(__name__)
-_reported: set[tuple[str, str]] = set()
+
 _unsupported: dict[type, str] = {}  # model classes whose cache turned out not to expand by row, and why
 
 
@@ -90,6 +93,7 @@ def encode_prefix(model, input_ids, attention_mask, length: int, groups, positio
 
 
 def _base_model(model):
+    """The model under a DDP / DeepSpeed wrapper (`.module`) and a PEFT wrapper."""
     base = model.module if hasattr(model, "module") else model
     return base.get_base_model() if hasattr(base, "get_base_model") else base
 
@@ -102,8 +106,7 @@ def generation_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 def cache_kwarg(model) -> str:
     """The name under which `model.forward` / `generate` take a KV cache: `cache` (transformers >= 5.2x), else the
     older `past_key_values`."""
-    base = model.module if hasattr(model, "module") else model
-    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    base = _base_model(model)
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
@@ -117,7 +120,7 @@ def unsupported_reason(model, extra_inputs: dict | None = None) -> str | None:
         return "encoder-decoder models encode the prompt in the encoder"
     if extra_inputs:
         return f"rows carry extra inputs ({', '.join(sorted(extra_inputs))}), e.g. images"
-    base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+    base = _base_model(model)
     if type(base) in _unsupported:
         return _unsupported[type(base)]
     supports_dynamic_cache = getattr(type(base), "_supports_default_dynamic_cache", None)
@@ -128,8 +131,73 @@ def unsupported_reason(model, extra_inputs: dict | None = None) -> str | None:
     return None
 
 
-def report_fallback(where: str, reason: str) -> None:
-    """One info-level line per (where, reason): why the plain path runs."""
-    if (where, reason) not in _reported:
-        _reported.add((where, reason))
-        logger.info(f"shared_prefix: the {where} runs without prompt sharing because {reason}.")
+def expands_rows(generation_config) -> bool:
+    """Whether `generate` decodes more rows than it is given (beam search, `num_return_sequences`): a cache built for
+    the given rows does not fit them."""
+    return (getattr(generation_config, "num_beams", 1) or 1) > 1 or (
+        getattr(generation_config, "num_return_sequences", 1) or 1
+    ) > 1
+
+
+def sharing_obstacle(
+    model, extra_inputs: dict | None = None, *, router_logits=False, generation_config=None, continuous_batching=False
+) -> str | None:
+    """Why `model`'s rows may not share prompts, or None: the model or its inputs (`unsupported_reason`), the MoE
+    load-balancing loss (`router_logits`), and for a generation, beam search / `num_return_sequences`
+    (`generation_config`) or continuous batching."""
+    reason = unsupported_reason(model, extra_inputs)
+    if reason is None and router_logits:
+        reason = "the MoE load-balancing loss is computed over every row's tokens"
+    if reason is None and generation_config is not None and expands_rows(generation_config):
+        reason = "beam search / num_return_sequences expand the rows inside generate"
+    if reason is None and continuous_batching:
+        reason = "continuous batching manages its own paged cache"
+    return reason
+
+
+def may_share_prefix(
+    where: str,
+    model,
+    extra_inputs: dict | None = None,
+    *,
+    router_logits=False,
+    generation_config=None,
+    continuous_batching=False,
+    obstacle: str | None = None,
+) -> bool:
+    """Whether `where` (e.g. "generation", "log-prob forward") may encode repeated prompts once: no
+    `sharing_obstacle` and no caller's `obstacle`; otherwise the reason is reported once (`report_fallback`)."""
+    reason = sharing_obstacle(
+        model,
+        extra_inputs,
+        router_logits=router_logits,
+        generation_config=generation_config,
+        continuous_batching=continuous_batching,
+    )
+    reason = reason or obstacle
+    if reason is not None:
+        report_fallback(where, reason)
+    return reason is None
+
+
+def chunk_groups(chunk: dict, generation_config) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows of one padded generation chunk that share a prompt (`group_prompts`), or None: nothing repeats, the
+    chunk carries inputs besides ids and mask (images), or the config sets a `cache_implementation` or expands the
+    rows (`expands_rows`). Not reported: the caller's `may_share_prefix` reports what can be known before a chunk."""
+    if set(chunk) != {"input_ids", "attention_mask"} or expands_rows(generation_config):
+        return None
+    if getattr(generation_config, "cache_implementation", None) is not None:
+        return None
+    return group_prompts(chunk["input_ids"], chunk["attention_mask"])
+
+
+def generation_prefix_cache(model, chunk: dict, groups) -> Cache | None:
+    """The KV cache of every prompt position of a chunk but the last, one prefill per group, at the positions
+    `generate` derives from the mask: decoding continues from it exactly as from its own prefill. None, reported
+    once, when the model's cache cannot be expanded by row."""
+    ids, mask = chunk["input_ids"], chunk["attention_mask"]
+    try:
+        return encode_prefix(model, ids, mask, ids.size(1) - 1, groups, position_ids=generation_positions(mask))
+    except PrefixSharingUnsupported as e:
+        report_fallback("generation", str(e))
+        return None

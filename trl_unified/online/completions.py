@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 from trl import is_conversational
 
 from ..core.models import get_tokenizer
-from ..generation.batched import GenerationOutput, max_positions
+from ..generation import GenerationOutput, max_positions
 from .agents import ToolLoop, parse_turn
 
 

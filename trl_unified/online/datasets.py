@@ -8,7 +8,7 @@ times (every micro-batch of every pass over the rollout); environments may own t
 from datasets import Dataset, IterableDataset
 
 from ..data.datasets import dataset_columns, require_columns
-from ..generation.batched import max_positions, prompt_lengths
+from ..generation import max_positions, prompt_lengths
 from .agents import EMPTY_PROMPT
 from .sampler import RepeatedIterable, RepeatSampler
 

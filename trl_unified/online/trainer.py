@@ -27,7 +27,7 @@ from ..core.models import cast_lm_head_to_fp32, get_tokenizer
 from ..core.reference import prepare_frozen_model
 from ..core.trainer import PolicyTrainerBase
 from ..data.datasets import get_images
-from ..generation.batched import GenerationOutput
+from ..generation import GenerationOutput
 from .agents import EMPTY_PROMPT, Environments, check_tool, check_tool_support, prepare_tool_template
 from .completion_log import CompletionLog
 from .completions import CompletionsMixin, row_value
@@ -61,6 +61,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
     """
 
     config_class = OnlineConfig
+    repeats_prompts = True  # groups of G completions: log-prob forwards encode each prompt once where allowed
     old_logps = "trl"
     old_logps_from_sampling = False
     reshuffle_each_iteration = False
@@ -132,7 +133,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         set_seed(self.args.seed, device_specific=True)
 
     def _setup_agents(self) -> None:
-        """Tools, environments and their checks (see `base/agents.py`), once, before the reward functions."""
+        """Tools, environments and their checks (see `online/agents.py`), once, before the reward functions."""
         for tool in self._standalone_tools:
             check_tool(tool)
         factory = self._environment_factory
@@ -220,7 +221,12 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
 
     def generation_options(self) -> dict[str, Any]:
         with torch.no_grad():  # generation runs without grad (and with checkpointing off)
-            shared = self.uses_shared_prefix(self.model, "generation", obstacle=self._generation_sharing_obstacle())
+            shared = self.uses_shared_prefix(
+                self.model,
+                "generation",
+                generation_config=self.generation_config(),
+                continuous_batching=self.args.use_transformers_continuous_batching,
+            )
         return {
             "shared_prefix": shared,
             "gather_deepspeed3_params": self.args.ds3_gather_for_generation,
@@ -236,14 +242,6 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         kwargs = dict(self.args.transformers_continuous_batching_config or {})
         kwargs.setdefault("max_memory_percent", 0.5)  # TRL's training-aware default
         return ContinuousBatchingConfig(**kwargs)
-
-    def _generation_sharing_obstacle(self) -> str | None:
-        config = self.generation_config()  # TODO(after generation split): expands_rows
-        if (config.num_beams or 1) > 1 or (config.num_return_sequences or 1) > 1:
-            return "beam search / num_return_sequences expand the rows inside generate"
-        if self.args.use_transformers_continuous_batching:
-            return "continuous batching manages its own paged cache"
-        return None
 
     def policy_logprobs(self, model, inputs: RolloutBatch) -> TokenLogprobs:
         """The loss forward of a policy-gradient trainer: per-token log-probs (with grad) and entropies of the

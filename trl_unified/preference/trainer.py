@@ -189,7 +189,7 @@ class PreferenceTrainer(PolicyTrainerBase):
             self._signature_columns = self._batch_columns()
 
     def _batch_columns(self) -> list[str]:
-        """The columns the collator reads: the subclass's, and those of rows with images (`base/vision.py`)."""
+        """The columns the collator reads: the subclass's, and those of rows with images (`data/vision.py`)."""
         return [*self.signature_columns, "prompt_text", "images", "image", "videos", "video"]
 
     # ------------------------------------------------------------------ log-probs

@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
 from trl_unified import generate_batched
-from trl_unified.generation.batched import cut_after_eos
+from trl_unified.generation import cut_after_eos
 
 
 PROMPTS = ["a b", "c", "d e f g h i j", "k l m", "n o p q", "hello world"]
@@ -125,3 +125,16 @@ def test_generate_batched_encoder_decoder(t5_path):
 def test_generate_batched_with_no_prompts_returns_empty(qwen2_model, tokenizer):
     out = generate_batched(qwen2_model, tokenizer, [], greedy(tokenizer))
     assert out.texts == [] and out.completion_ids.shape[0] == 0 and out.completion_ids_list == []
+
+
+def test_generation_options_equal_the_keywords(qwen2_model, tokenizer):
+    from trl_unified.generation import GenerationOptions
+
+    config = greedy(tokenizer)
+    by_keywords = generate_batched(qwen2_model, tokenizer, PROMPTS, config, batch_size=2, strip_prompt=False)
+    options = GenerationOptions(batch_size=2, strip_prompt=False)
+    by_options = generate_batched(qwen2_model, tokenizer, PROMPTS, config, options=options)
+    assert by_options.texts == by_keywords.texts
+    assert by_options.completion_ids_list == by_keywords.completion_ids_list
+    with pytest.raises(TypeError, match="batch_size"):
+        generate_batched(qwen2_model, tokenizer, PROMPTS, config, batch_size=2, options=options)

@@ -1,5 +1,5 @@
-"""The lean decode loop (base/decode.py) returns model.generate's tokens; prepacked weights (base/packed_weights.py)
-keep the logits to float32 rounding and are put away after generation."""
+"""The lean decode loop (generation/lean.py) returns model.generate's tokens; prepacked weights
+(generation/packed_weights.py) keep the logits to float32 rounding and are put away after generation."""
 
 import logging
 
@@ -8,7 +8,7 @@ import torch
 from transformers import GenerationConfig
 
 from trl_unified import generate_batched
-from trl_unified.generation import lean as decode
+from trl_unified.generation import fallbacks, lean
 from trl_unified.generation.packed_weights import _unavailable_reason, packed_linear_weights
 from trl_unified.testing import build_causal_lm
 
@@ -59,13 +59,13 @@ def test_lean_generate_returns_generates_tokens(model, tokenizer, option):
     eos = common_eos(model, tokenizer, ids, mask, OPTIONS[option])
     for eos_ids in (eos, None):  # rows ending at different steps; no EOS (every row runs to the limit)
         generation_config = config(tokenizer, eos_ids, **OPTIONS[option])
-        assert decode.unsupported_reason(model, generation_config, {"input_ids": ids, "attention_mask": mask}) is None
+        assert lean.unsupported_reason(model, generation_config, {"input_ids": ids, "attention_mask": mask}) is None
         for seed in range(2):
             torch.manual_seed(seed)
             expected = model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config)
             after_generate = torch.rand(3)
             torch.manual_seed(seed)
-            got = decode.lean_generate(model, ids, mask, generation_config)
+            got = lean.lean_generate(model, ids, mask, generation_config)
             assert torch.equal(got, expected), (option, eos_ids, seed)
             # the random state afterwards is the same too: the next sample of training equals TRL's
             assert torch.equal(torch.rand(3), after_generate)
@@ -80,7 +80,7 @@ def test_generate_batched_lean_equals_generate(model, tokenizer):
     for shared_prefix in (False, True):
         for batch_size in (3, 8):
             outputs = []
-            for lean in (True, False):
+            for lean_decoding in (True, False):
                 torch.manual_seed(0)
                 outputs.append(
                     generate_batched(
@@ -90,7 +90,7 @@ def test_generate_batched_lean_equals_generate(model, tokenizer):
                         generation_config,
                         batch_size=batch_size,
                         shared_prefix=shared_prefix,
-                        lean_decoding=lean,
+                        lean_decoding=lean_decoding,
                     )
                 )
             assert outputs[0].completion_ids_list == outputs[1].completion_ids_list
@@ -107,27 +107,28 @@ def test_generate_batched_lean_equals_generate(model, tokenizer):
         (dict(cache_implementation="static"), "cache_implementation"),
     ],
 )
-def test_unsupported_options_fall_back_to_generate(qwen2_model, tokenizer, caplog, options, reason):
+def test_unsupported_options_fall_back_to_generate(qwen2_model, tokenizer, caplog, monkeypatch, options, reason):
     generation_config = config(tokenizer, [tokenizer.eos_token_id], do_sample=False, **options)
-    found = decode.unsupported_reason(qwen2_model, generation_config, {"input_ids": None, "attention_mask": None})
+    found = lean.unsupported_reason(qwen2_model, generation_config, {"input_ids": None, "attention_mask": None})
     assert found is not None and reason in found
     if "output_scores" in options:
         return  # generate_batched does not return scores; the reason above is what matters
+    monkeypatch.setattr(fallbacks, "_reported", set())  # each reason is logged once per process
     with caplog.at_level(logging.INFO, logger="trl_unified.generation.lean"):
-        lean = generate_batched(qwen2_model, tokenizer, PROMPTS[:4], generation_config)
+        fallen_back = generate_batched(qwen2_model, tokenizer, PROMPTS[:4], generation_config)
     assert any(reason in r.message and "model.generate" in r.message for r in caplog.records)
     plain = generate_batched(qwen2_model, tokenizer, PROMPTS[:4], generation_config, lean_decoding=False)
-    assert lean.completion_ids_list == plain.completion_ids_list
+    assert fallen_back.completion_ids_list == plain.completion_ids_list
 
 
 def test_extra_inputs_and_encoder_decoder_are_unsupported(qwen2_model, t5_path, tokenizer):
     from transformers import AutoModelForSeq2SeqLM
 
     generation_config = config(tokenizer, None, do_sample=False)
-    reason = decode.unsupported_reason(qwen2_model, generation_config, {"input_ids": 0, "pixel_values": 0})
+    reason = lean.unsupported_reason(qwen2_model, generation_config, {"input_ids": 0, "pixel_values": 0})
     assert "pixel_values" in reason
     t5 = AutoModelForSeq2SeqLM.from_pretrained(t5_path)
-    assert "encoder-decoder" in decode.unsupported_reason(t5, generation_config, {"input_ids": 0})
+    assert "encoder-decoder" in lean.unsupported_reason(t5, generation_config, {"input_ids": 0})
 
 
 @pytest.mark.skipif(_unavailable_reason() is not None, reason="this PyTorch build cannot pack linear weights")
@@ -184,5 +185,5 @@ def test_a_patched_generate_is_honoured(qwen2_model, tokenizer, monkeypatch):
 
     monkeypatch.setattr(GenerationMixin, "generate", scripted)
     generation_config = config(tokenizer, None, do_sample=False)
-    assert "own generate" in decode.unsupported_reason(qwen2_model, generation_config, {"input_ids": 0})
+    assert "own generate" in lean.unsupported_reason(qwen2_model, generation_config, {"input_ids": 0})
     assert generate_batched(qwen2_model, tokenizer, PROMPTS[:2], generation_config).completion_ids_list == [[7, 7]] * 2

@@ -1,4 +1,4 @@
-"""Shared-prefix encoding (`base/prefix.py`) against the plain path: same log-probs, same gradients, same greedy
+"""Shared-prefix encoding (`generation/sharing.py`) against the plain path: same log-probs, same gradients, same greedy
 generations, with left padding, repeated and distinct prompts in one batch."""
 
 import pytest
@@ -114,6 +114,30 @@ def test_unsupported_models_and_inputs_are_named(tokenizer):
         assert unsupported_reason(model) is None  # no grad: checkpointing keeps the cache
 
 
+def test_sharing_decisions_name_their_reason_and_report_it_once(tokenizer, caplog, monkeypatch):
+    import logging
+
+    from trl_unified.generation import fallbacks
+    from trl_unified.generation.sharing import expands_rows, may_share_prefix, sharing_obstacle
+
+    model = build_causal_lm(tokenizer, "llama")
+    assert not expands_rows(GenerationConfig()) and not expands_rows(None)
+    assert expands_rows(GenerationConfig(num_beams=2)) and expands_rows(
+        GenerationConfig(do_sample=True, num_return_sequences=2)
+    )
+    assert sharing_obstacle(model) is None
+    assert "MoE" in sharing_obstacle(model, router_logits=True)
+    assert "beam search" in sharing_obstacle(model, generation_config=GenerationConfig(num_beams=2))
+    assert "continuous batching" in sharing_obstacle(model, continuous_batching=True)
+    monkeypatch.setattr(fallbacks, "_reported", set())
+    with caplog.at_level(logging.INFO, logger="trl_unified.generation.sharing"):
+        assert may_share_prefix("generation", model)
+        for _ in range(2):
+            assert not may_share_prefix("generation", model, obstacle="a test says so")
+    lines = [r.message for r in caplog.records]
+    assert lines == ["shared_prefix: the generation runs without prompt sharing because a test says so."]
+
+
 # ------------------------------------------------------------------ in the online trainers
 def _train(path, tmp_path, trainer_class, config_class, peft=False, **config):
     from tests.helpers import prompt_dataset, varied_reward
@@ -154,10 +178,10 @@ def _train(path, tmp_path, trainer_class, config_class, peft=False, **config):
 def test_trainers_share_prompts_by_default_with_the_plain_numbers(name, config, llama_path, tmp_path, monkeypatch):
     import trl_unified
     import trl_unified.core.logprobs as logprobs
-    import trl_unified.generation.batched as generation
+    import trl_unified.generation.sharing as sharing
 
     calls = []
-    for module in (generation, logprobs):
+    for module in (sharing, logprobs):  # generation's prefix cache, the log-prob forwards
         original = module.encode_prefix
         monkeypatch.setattr(module, "encode_prefix", lambda *a, _o=original, **k: calls.append(1) or _o(*a, **k))
     trainer_class, config_class = getattr(trl_unified, f"{name}Trainer"), getattr(trl_unified, f"{name}Config")
@@ -178,10 +202,10 @@ def test_trainers_share_prompts_by_default_with_the_plain_numbers(name, config, 
 def test_fallbacks_are_logged_and_forced_sharing_is_checked(llama_path, tmp_path, caplog, monkeypatch):
     import logging
 
-    import trl_unified.generation.sharing as prefix
     from trl_unified import GRPOConfig, GRPOTrainer
+    from trl_unified.generation import fallbacks
 
-    monkeypatch.setattr(prefix, "_reported", set())  # each reason is logged once per process
+    monkeypatch.setattr(fallbacks, "_reported", set())  # each reason is logged once per process
 
     with caplog.at_level(logging.INFO, logger="trl_unified.generation.sharing"):
         _train(llama_path, tmp_path, GRPOTrainer, GRPOConfig, gradient_checkpointing=True, max_steps=1)

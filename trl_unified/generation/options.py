@@ -1,0 +1,93 @@
+"""How to generate: `GenerationOptions` (`generate_batched`'s keywords), EOS ids and a trainer's `GenerationConfig`.
+
+`generation_config` stays a separate argument: it says what to decode (lengths, sampling), the options say how the
+call runs (batching, engines, prompt inputs, what to return).
+"""
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from transformers import GenerationConfig
+
+from ..core.models import get_tokenizer
+
+
+@dataclass
+class GenerationOptions:
+    """Every keyword of `generate_batched` after `generation_config`, with the same names and defaults (documented
+    there); pass one as `generate_batched(..., options=...)` instead of the keywords."""
+
+    batch_size: int | None = None
+    strip_prompt: bool = True
+    accelerator: Any = None
+    gather_deepspeed3_params: bool = True
+    images: Sequence[list | None] | None = None
+    videos: Sequence[list | None] | None = None
+    pad_to_multiple_of: int | None = None
+    chat_template_kwargs: dict | None = None
+    eos_token_ids: Sequence[int] | None = None
+    shared_prefix: bool = False
+    continuous_batching: Any = None  # a transformers.ContinuousBatchingConfig
+    lean_decoding: bool = True
+    return_logprobs: bool = False
+
+    @property
+    def has_visual_inputs(self) -> bool:
+        """Whether the prompts come with images or videos (encoded by the processor)."""
+        return self.images is not None or self.videos is not None
+
+
+def resolve_options(options: GenerationOptions | None, keywords: GenerationOptions) -> GenerationOptions:
+    """`options` where given (the keywords must then be left at their defaults), else the keywords."""
+    if options is None:
+        return keywords
+    given = [f.name for f in fields(keywords) if getattr(keywords, f.name) is not f.default]
+    if given:
+        raise TypeError(f"generate_batched got options= and the keywords {given}; set them on the options instead.")
+    return options
+
+
+def get_eos_token_ids(model, processing_class) -> list[int]:
+    """The tokenizer's EOS first, then any other EOS of the model's generation config (e.g. `<|im_end|>`)."""
+    tokenizer = get_tokenizer(processing_class)
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids = [tokenizer.eos_token_id, *ids]
+    return ids
+
+
+def build_generation_config(
+    args, processing_class, eos_token_ids: list[int], do_sample: bool = True, max_new_tokens: int | None = None
+) -> GenerationConfig:
+    """A `GenerationConfig` from a `PolicyConfig`'s sampling fields; `generation_kwargs` override them.
+
+    With `do_sample=False` the sampling fields are left out (greedy decoding).
+    """
+    tokenizer = get_tokenizer(processing_class)
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens or args.max_completion_length,
+        "do_sample": do_sample,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": list(eos_token_ids) or None,  # none: generate max_new_tokens tokens
+        "cache_implementation": args.cache_implementation,
+        "repetition_penalty": args.repetition_penalty,
+    }
+    if do_sample:
+        kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    else:  # explicit neutral values, so the model's own sampling defaults cannot leak in
+        kwargs.update(temperature=None, top_p=None, top_k=None, min_p=None)
+    kwargs.update(args.generation_kwargs or {})
+    return GenerationConfig(**kwargs, disable_compile=True)
+
+
+def with_decoder_start_token(model, generation_config: GenerationConfig | None) -> GenerationConfig | None:
+    """`generation_config`, copied with the model's `decoder_start_token_id` where an encoder-decoder needs it."""
+    is_encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
+    if is_encoder_decoder and generation_config is not None and generation_config.decoder_start_token_id is None:
+        generation_config = copy.deepcopy(generation_config)
+        generation_config.decoder_start_token_id = model.config.decoder_start_token_id
+    return generation_config

@@ -1,0 +1,176 @@
+"""`GenerationOutput`, what `generate_batched` returns, and how it is built from the prompts and their completions."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core.models import get_tokenizer
+from ..data.datasets import pad
+from .options import GenerationOptions
+from .prompts import is_sequence_aligned, padding_token_id
+
+
+@dataclass
+class GenerationOutput:
+    """What `generate_batched` returns, for `N` prompts.
+
+    Attributes:
+        prompt_ids (`torch.LongTensor`): `(N, P)`, left-padded prompt tokens (encoder inputs for encoder-decoders).
+        prompt_mask (`torch.LongTensor`): `(N, P)`, 1 on prompt tokens.
+        completion_ids (`torch.LongTensor`): `(N, C)`, right-padded with the pad token; cut after the first EOS.
+        completion_mask (`torch.LongTensor`): `(N, C)`, 1 up to and including the first EOS.
+        texts (`list[str]`): decoded completions (special tokens skipped); prompt + completion if not stripped.
+        is_truncated (`torch.BoolTensor`): `(N,)`, True where the completion hit the length limit without EOS.
+        image_inputs (`list[dict]`, *optional*): per row, the processor's image tensors (e.g. `pixel_values`,
+            `image_grid_thw`) for a later forward pass over prompt + completion; None without images.
+        prompt_token_inputs (`dict[str, torch.Tensor]`): other per-token processor outputs (e.g.
+            `mm_token_type_ids`), `(N, P)`, left-padded with 0 like `prompt_ids`.
+        tool_mask (`torch.LongTensor`, *optional*): `(N, C)`, 1 on tokens the model sampled, 0 on tool-result tokens
+            inserted between the turns of a multi-turn (agent) completion; None when every token is the model's.
+        logprobs (`torch.FloatTensor`, *optional*): `(N, C)` log-prob of each completion token at the sampling
+            temperature, from the decoding logits (`generate_batched(return_logprobs=True)`); 0 on padding.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    texts: list[str]
+    is_truncated: torch.Tensor
+    image_inputs: list[dict[str, torch.Tensor]] | None = None
+    prompt_token_inputs: dict[str, torch.Tensor] | None = None
+    tool_mask: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+
+    @property
+    def completion_ids_list(self) -> list[list[int]]:
+        """Completion tokens per row, padding removed (EOS kept)."""
+        return [ids[mask.bool()].tolist() for ids, mask in zip(self.completion_ids, self.completion_mask, strict=True)]
+
+    @property
+    def model_token_mask(self) -> torch.Tensor:
+        """`(N, C)`: 1 on completion tokens the model sampled (tool-result tokens and padding are 0)."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
+
+    @classmethod
+    def from_token_lists(
+        cls,
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        processing_class,
+        eos_token_ids: Sequence[int],
+        tool_mask: list[list[int]] | None = None,
+        pad_to_multiple_of: int | None = None,
+        device=None,
+    ) -> "GenerationOutput":
+        """The output of a rollout given as token-id lists (a custom `rollout_func`, or a multi-turn tool loop):
+        prompts left-padded, completions right-padded and kept whole (a completion ends where its list ends); a
+        completion is truncated when its last token is neither an EOS nor the pad token (TRL's rule)."""
+        tokenizer = get_tokenizer(processing_class)
+        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        prompts = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]
+        completions = [torch.tensor(ids, dtype=torch.long) for ids in completion_ids]
+        ends = {*eos_token_ids, pad_token_id}
+        masks = None
+        if tool_mask is not None:
+            masks = pad([torch.tensor(m, dtype=torch.long) for m in tool_mask], 1, "right").to(device)
+        return cls(
+            prompt_ids=pad(prompts, pad_token_id, "left", pad_to_multiple_of).to(device),
+            prompt_mask=pad([torch.ones_like(t) for t in prompts], 0, "left", pad_to_multiple_of).to(device),
+            completion_ids=pad(completions, pad_token_id, "right").to(device),
+            completion_mask=pad([torch.ones_like(t) for t in completions], 0, "right").to(device),
+            texts=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+            is_truncated=torch.tensor([bool(ids) and ids[-1] not in ends for ids in completion_ids], device=device),
+            tool_mask=masks,
+        )
+
+
+def cut_after_eos(completion_ids: torch.Tensor, eos_token_ids: Sequence[int], pad_token_id: int):
+    """Mask (and pad) every token after the first EOS of each row; the EOS itself is kept.
+
+    Returns `(completion_ids, completion_mask, is_truncated)`; shapes `(N, C)`, `(N, C)`, `(N,)`.
+    """
+    stops = torch.tensor(list(eos_token_ids), dtype=completion_ids.dtype, device=completion_ids.device)
+    is_eos = torch.isin(completion_ids, stops)
+    has_eos = is_eos.any(dim=1)
+    first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), completion_ids.size(1))  # (N,)
+    positions = torch.arange(completion_ids.size(1), device=completion_ids.device).expand_as(completion_ids)
+    mask = (positions <= first_eos.unsqueeze(1)).long()  # (N, C)
+    return completion_ids.masked_fill(mask == 0, pad_token_id), mask, ~has_eos
+
+
+def build_output(
+    encoded: list[dict[str, Any]],
+    completions: list[torch.Tensor],
+    logprobs: list[torch.Tensor | None],
+    tokenizer,
+    eos_token_ids: Sequence[int],
+    options: GenerationOptions,
+    is_encoder_decoder: bool,
+    device,
+) -> GenerationOutput:
+    """The output for the encoded prompts (`prompts.encode_for_generation`) and each one's new tokens.
+
+    Prompts are left-padded (to `options.pad_to_multiple_of`), completions right-padded and cut after their first
+    EOS, columns that are padding in every row dropped; `logprobs` (one row per completion, None where
+    `model.generate` decoded) are kept only when every row has them and `options.return_logprobs` is set.
+    """
+    if not encoded:  # nothing to generate here (e.g. this process's share of a small eval set)
+        empty = torch.zeros(0, 0, dtype=torch.long, device=device)
+        return GenerationOutput(empty, empty, empty, empty, [], torch.zeros(0, dtype=torch.bool, device=device))
+    pad_token_id = padding_token_id(tokenizer)
+    pad_to_multiple_of = options.pad_to_multiple_of
+    prompt_tensors = [torch.as_tensor(e["input_ids"]).view(-1) for e in encoded]
+    prompt_ids = pad(prompt_tensors, pad_token_id, "left", pad_to_multiple_of).to(device)
+    prompt_mask = pad([torch.ones_like(t) for t in prompt_tensors], 0, "left", pad_to_multiple_of).to(device)
+    completion_ids = pad(completions, pad_token_id, "right").to(device)
+    completion_ids, completion_mask, is_truncated = cut_after_eos(completion_ids, eos_token_ids, pad_token_id)
+    width = int(completion_mask.sum(1).max()) if len(completions) else 0  # drop columns that are padding everywhere
+    completion_ids, completion_mask = completion_ids[:, :width], completion_mask[:, :width]
+    token_logprobs = None
+    if options.return_logprobs and logprobs and all(row is not None for row in logprobs):
+        token_logprobs = pad(logprobs, 0.0, "right").to(device)[:, :width] * completion_mask
+    kept = [ids[m.bool()].tolist() for ids, m in zip(completion_ids, completion_mask, strict=True)]
+    if options.strip_prompt or is_encoder_decoder:
+        texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
+    else:
+        texts = tokenizer.batch_decode(
+            [p.tolist() + c for p, c in zip(prompt_tensors, kept)], skip_special_tokens=True
+        )
+    image_inputs, prompt_token_inputs = _processor_inputs(encoded, options, device)
+    return GenerationOutput(
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        texts,
+        is_truncated,
+        image_inputs,
+        prompt_token_inputs,
+        logprobs=token_logprobs,
+    )
+
+
+def _processor_inputs(encoded, options: GenerationOptions, device) -> tuple[list[dict] | None, dict]:
+    """The processor's other outputs: per-token ones (e.g. `mm_token_type_ids`) left-padded like the prompt ids, and
+    with images or videos, each row's remaining tensors (e.g. `pixel_values`, `image_grid_thw`)."""
+    image_inputs, prompt_token_inputs = None, {}
+    for key, value in encoded[0].items():
+        if key not in ("input_ids", "attention_mask") and is_sequence_aligned(value, encoded[0]["input_ids"]):
+            prompt_token_inputs[key] = pad(
+                [e[key].view(-1) for e in encoded], 0, "left", options.pad_to_multiple_of
+            ).to(device)
+    if options.has_visual_inputs:
+        image_inputs = [
+            {
+                k: v
+                for k, v in e.items()
+                if k not in ("input_ids", "attention_mask")
+                and isinstance(v, torch.Tensor)
+                and not is_sequence_aligned(v, e["input_ids"])
+            }
+            for e in encoded
+        ]
+    return image_inputs, prompt_token_inputs
