@@ -7,9 +7,9 @@
 Task: "What is a times b?" for two-digit a, b, which the 135M model gets wrong on its own. The trainer gets
 `tools=[multiply]`: the chat template describes the tool, the rollout parses `<tool_call>` blocks, runs the tool,
 appends its result as a tool message and lets the model continue (online/agents.py); the tool's tokens are masked out
-of the loss. Reward: 1 when the last number of the final answer is a * b. Held-out accuracy (40 unseen problems, greedy,
-the same multi-turn rollout) is measured before and after training; `learning_curve.png` plots it with the train
-reward and the tool-call frequency.
+of the loss. Reward: 1 when the last number of the final answer is a * b. Held-out accuracy (40 unseen problems,
+greedy, the same multi-turn rollout) is measured before and after training; `learning_curve.png` plots it with the
+train reward and the tool-call frequency.
 
 SmolLM2's own chat template cannot render tools (it has no tool syntax), so the example gives the tokenizer TRL's
 `qwen2_5` template: the same ChatML tokens (`<|im_start|>`, `<|im_end|>`) SmolLM2 was trained on, plus Qwen2.5's tool

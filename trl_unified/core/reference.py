@@ -17,7 +17,7 @@ class ReferenceModel:
     """One handle on the reference policy, whatever form it takes. Use it only through `use()`:
 
     ```python
-    with trainer.reference.use() as ref_model:
+    with trainer.reference_model.use() as ref_model:
         ref_logps = compute_token_logprobs(ref_model, ids, mask, logits_to_keep).logps
     ```
 
@@ -103,7 +103,9 @@ class ReferenceModel:
     def use(self, accelerator=None, policy_wrapped=None):
         """Yield the model that computes reference outputs; with PEFT, the policy in its reference state."""
         if self.kind == "none":
-            raise RuntimeError("This trainer has no reference model (beta == 0). Check trainer.reference.available.")
+            raise RuntimeError(
+                "This trainer has no reference model (beta == 0). Check trainer.reference_model.available."
+            )
         if self.kind == "copy":
             yield self.model
             return

@@ -58,7 +58,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
     `self.args`, `self.model`, `self.processing_class` and `self.accelerator` exist), in this order:
 
     1. `prepare_dataset(dataset, name)`: validate / tokenise each dataset (train, then each eval set);
-    2. `needs_reference()`, `reference_is_policy()`: which reference model is built (`self.reference`);
+    2. `needs_reference()`, `reference_is_policy()`: which reference model is built (`self.reference_model`);
     3. `make_data_collator()`: the collator, when the user passed none;
     4. `setup()`: anything else the trainer needs once (e.g. reward functions), with the above in place.
 
@@ -130,7 +130,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         self.eos_token_ids = get_eos_token_ids(self.model, processing_class)
         self.train_dataset = self.prepare_dataset(train_dataset, "train")
         self.eval_dataset = self._prepare_eval_datasets(eval_dataset)
-        self.reference = ReferenceModel.build(
+        self.reference_model = ReferenceModel.build(
             self.model,
             ref_model,
             self.args,
@@ -139,7 +139,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
             quantization_config,
             policy_is_reference=self.reference_is_policy(),
         )
-        self.reference.prepare(self.accelerator)
+        self.reference_model.prepare(self.accelerator)
         if data_collator is None:
             self.data_collator = self.make_data_collator() or self.data_collator
         self.aux_loss_enabled, self.router_aux_loss_coef = moe_aux_loss_setup(self.model, self.args)
@@ -201,21 +201,21 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
     def ref_model(self):
         """The separate reference model, as TRL's attribute (None when there is none: no reference, a PEFT policy
         with its adapter disabled, or the policy itself before training)."""
-        return self.reference.model if self.reference.kind == "copy" else None
+        return self.reference_model.model if self.reference_model.kind == "copy" else None
 
     def sync_reference_every_steps(self) -> None:
         """With `args.sync_ref_model`, add TRL's `SyncRefModelCallback` (TR-DPO: every `ref_model_sync_steps`,
         π_ref ← α π_θ + (1 - α) π_ref). Only a separate reference model can be synced."""
         if not self.args.sync_ref_model:
             return
-        if self.reference.kind != "copy":
+        if self.reference_model.kind != "copy":
             raise NotImplementedError(
                 "You passed `sync_ref_model=True` while using a PEFT model, which is currently not supported: "
                 "the reference is the policy with its adapter disabled, there is no separate model to sync."
             )
         from trl import SyncRefModelCallback
 
-        self.add_callback(SyncRefModelCallback(ref_model=self.reference.model, accelerator=self.accelerator))
+        self.add_callback(SyncRefModelCallback(ref_model=self.reference_model.model, accelerator=self.accelerator))
 
     def add_aux_loss(self, loss: torch.Tensor, aux_loss: torch.Tensor | None, scale: float = 1.0) -> torch.Tensor:
         """`loss + router_aux_loss_coef * aux_loss * scale` when the MoE load-balancing loss is enabled (and logged as
@@ -291,12 +291,12 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         `repeats_prompts` (rows repeat their prompt, e.g. groups of G completions: each prompt is encoded once where
         `uses_shared_prefix` allows it) and `positions_from_mask` (position ids that skip left padding, as
         generation numbers them: TRL's PPO)."""
-        if self.repeats_prompts and "shared_prefix" not in kwargs:
+        if self.positions_from_mask:
+            kwargs.setdefault("position_ids", position_ids_from_mask(attention_mask))
+        if self.repeats_prompts and "shared_prefix" not in kwargs:  # extra inputs (e.g. position ids) may rule it out
             extra = {k: v for k, v in kwargs.items() if k not in _LOGPROB_OPTIONS}
             router_logits = kwargs.get("output_router_logits", False)
             kwargs["shared_prefix"] = self.uses_shared_prefix(model, "log-prob forward", extra, router_logits)
-        if self.positions_from_mask:
-            kwargs.setdefault("position_ids", position_ids_from_mask(attention_mask))
         with self.accelerator.autocast():
             return compute_token_logprobs(
                 model, input_ids, attention_mask, logits_to_keep, temperature=self.args.temperature, **kwargs
@@ -330,7 +330,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
 
     def reference_logprobs(self, input_ids, attention_mask, logits_to_keep, **kwargs) -> torch.Tensor:
         """Per-token log-probs under the reference model (no grad, eval mode)."""
-        with torch.no_grad(), self.reference.use(self.accelerator, self.model) as ref_model:
+        with torch.no_grad(), self.reference_model.use(self.accelerator, self.model) as ref_model:
             return self.token_logprobs(ref_model, input_ids, attention_mask, logits_to_keep, **kwargs).logps
 
     # ------------------------------------------------------------------ loss and evaluation loop

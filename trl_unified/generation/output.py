@@ -1,5 +1,6 @@
 """`GenerationOutput`, what `generate_batched` returns, and how it is built from the prompts and their completions."""
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +11,12 @@ from ..core.models import get_tokenizer
 from ..data.datasets import pad
 from .options import GenerationOptions
 from .prompts import is_sequence_aligned, padding_token_id
+
+
+def sampled_token_mask(completion_mask: torch.Tensor, tool_mask: torch.Tensor | None) -> torch.Tensor:
+    """`(N, C)`: 1 on the completion tokens the model sampled: `completion_mask`, times the `tool_mask` of a
+    multi-turn completion (0 on tool-result tokens). What every loss, KL and entropy of a rollout is taken over."""
+    return completion_mask if tool_mask is None else completion_mask * tool_mask
 
 
 @dataclass
@@ -23,8 +30,9 @@ class GenerationOutput:
         completion_mask (`torch.LongTensor`): `(N, C)`, 1 up to and including the first EOS.
         texts (`list[str]`): decoded completions (special tokens skipped); prompt + completion if not stripped.
         is_truncated (`torch.BoolTensor`): `(N,)`, True where the completion hit the length limit without EOS.
-        image_inputs (`list[dict]`, *optional*): per row, the processor's image tensors (e.g. `pixel_values`,
-            `image_grid_thw`) for a later forward pass over prompt + completion; None without images.
+        visual_inputs (`list[dict]`, *optional*): per row, the processor's image and video tensors (e.g.
+            `pixel_values`, `image_grid_thw`, `pixel_values_videos`) for a later forward pass over prompt +
+            completion; None without images or videos (`image_inputs` is its deprecated name).
         prompt_token_inputs (`dict[str, torch.Tensor]`): other per-token processor outputs (e.g.
             `mm_token_type_ids`), `(N, P)`, left-padded with 0 like `prompt_ids`.
         tool_mask (`torch.LongTensor`, *optional*): `(N, C)`, 1 on tokens the model sampled, 0 on tool-result tokens
@@ -39,7 +47,7 @@ class GenerationOutput:
     completion_mask: torch.Tensor
     texts: list[str]
     is_truncated: torch.Tensor
-    image_inputs: list[dict[str, torch.Tensor]] | None = None
+    visual_inputs: list[dict[str, torch.Tensor]] | None = None
     prompt_token_inputs: dict[str, torch.Tensor] | None = None
     tool_mask: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
@@ -52,7 +60,13 @@ class GenerationOutput:
     @property
     def model_token_mask(self) -> torch.Tensor:
         """`(N, C)`: 1 on completion tokens the model sampled (tool-result tokens and padding are 0)."""
-        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
+        return sampled_token_mask(self.completion_mask, self.tool_mask)
+
+    @property
+    def image_inputs(self) -> list[dict[str, torch.Tensor]] | None:
+        """Deprecated name of `visual_inputs` (it also carries video tensors); removed in trl_unified 0.3."""
+        warnings.warn("GenerationOutput.image_inputs is deprecated: use visual_inputs.", DeprecationWarning, 2)
+        return self.visual_inputs
 
     @classmethod
     def from_token_lists(
@@ -139,7 +153,7 @@ def build_output(
         texts = tokenizer.batch_decode(
             [p.tolist() + c for p, c in zip(prompt_tensors, kept)], skip_special_tokens=True
         )
-    image_inputs, prompt_token_inputs = _processor_inputs(encoded, options, device)
+    visual_inputs, prompt_token_inputs = _processor_inputs(encoded, options, device)
     return GenerationOutput(
         prompt_ids,
         prompt_mask,
@@ -147,7 +161,7 @@ def build_output(
         completion_mask,
         texts,
         is_truncated,
-        image_inputs,
+        visual_inputs,
         prompt_token_inputs,
         logprobs=token_logprobs,
     )
@@ -156,14 +170,14 @@ def build_output(
 def _processor_inputs(encoded, options: GenerationOptions, device) -> tuple[list[dict] | None, dict]:
     """The processor's other outputs: per-token ones (e.g. `mm_token_type_ids`) left-padded like the prompt ids, and
     with images or videos, each row's remaining tensors (e.g. `pixel_values`, `image_grid_thw`)."""
-    image_inputs, prompt_token_inputs = None, {}
+    visual_inputs, prompt_token_inputs = None, {}
     for key, value in encoded[0].items():
         if key not in ("input_ids", "attention_mask") and is_sequence_aligned(value, encoded[0]["input_ids"]):
             prompt_token_inputs[key] = pad(
                 [e[key].view(-1) for e in encoded], 0, "left", options.pad_to_multiple_of
             ).to(device)
     if options.has_visual_inputs:
-        image_inputs = [
+        visual_inputs = [
             {
                 k: v
                 for k, v in e.items()
@@ -173,4 +187,4 @@ def _processor_inputs(encoded, options: GenerationOptions, device) -> tuple[list
             }
             for e in encoded
         ]
-    return image_inputs, prompt_token_inputs
+    return visual_inputs, prompt_token_inputs

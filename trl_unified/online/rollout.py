@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.batch import TensorBatch, scalar_field
+from ..generation.output import sampled_token_mask
 
 
 @dataclass
@@ -29,7 +30,7 @@ class RolloutBatch(TensorBatch):
         is_truncated (`(B,)` bool): the completion hit `max_completion_length` without an EOS.
         num_loss_tokens (`float`): tokens under `completion_mask` in the whole generation batch, all processes
             (the normaliser of token-sum losses such as DAPO's).
-        image_inputs (list of B dicts, or None): per-row image tensors (pixel_values, image_grid_thw, ...).
+        visual_inputs (list of B dicts, or None): per-row image / video tensors (pixel_values, image_grid_thw, ...).
         prompt_token_inputs (dict of `(B, P)`): per-token prompt inputs besides the ids (e.g. mm_token_type_ids).
         tool_mask (`(B, C)` or None): 1 on tokens the model sampled, 0 on tool-result tokens of a multi-turn
             (agent) completion; None when every completion token is the model's.
@@ -48,7 +49,7 @@ class RolloutBatch(TensorBatch):
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
     num_loss_tokens: float = scalar_field(0.0)
-    image_inputs: list[dict[str, torch.Tensor]] | None = None
+    visual_inputs: list[dict[str, torch.Tensor]] | None = None
     prompt_token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     tool_mask: torch.Tensor | None = None
     values: torch.Tensor | None = None
@@ -72,7 +73,7 @@ class RolloutBatch(TensorBatch):
             rewards=torch.empty(0),
             row_index=torch.empty(0),
             is_truncated=out.is_truncated,
-            image_inputs=out.image_inputs,
+            visual_inputs=out.visual_inputs,
             prompt_token_inputs=dict(out.prompt_token_inputs or {}),
             tool_mask=out.tool_mask,
             old_logps=out.logprobs,
@@ -82,7 +83,7 @@ class RolloutBatch(TensorBatch):
     def loss_mask(self) -> torch.Tensor:
         """`(B, C)`: the tokens the loss, the KL and the entropy are taken over: the model's own completion tokens
         (`completion_mask * tool_mask`); the forward still attends to tool-result tokens (`completion_mask`)."""
-        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
+        return sampled_token_mask(self.completion_mask, self.tool_mask)
 
     def shuffled(self) -> "RolloutBatch":
         return self.select(torch.randperm(len(self)))
@@ -100,9 +101,9 @@ class RolloutBatch(TensorBatch):
         input_ids = torch.cat([self.prompt_ids, self.completion_ids], dim=1)
         attention_mask = torch.cat([self.prompt_mask, self.completion_mask], dim=1)
         extra = {}
-        if self.image_inputs:
+        if self.visual_inputs:
             device = input_ids.device
-            extra = {k: torch.cat([row[k] for row in self.image_inputs]).to(device) for k in self.image_inputs[0]}
+            extra = {k: torch.cat([row[k] for row in self.visual_inputs]).to(device) for k in self.visual_inputs[0]}
         width = self.completion_ids.size(1)
         for key, value in self.prompt_token_inputs.items():
             extra[key] = torch.cat([value, value.new_zeros(value.size(0), width)], dim=1)

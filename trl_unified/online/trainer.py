@@ -112,8 +112,8 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
             self.args.dataloader_num_workers = 0
         if self.args.cast_lm_head_to_fp32:
             cast_lm_head_to_fp32(self.model)
-            if self.reference.kind == "copy":
-                cast_lm_head_to_fp32(self.accelerator.unwrap_model(self.reference.model))
+            if self.reference_model.kind == "copy":
+                cast_lm_head_to_fp32(self.accelerator.unwrap_model(self.reference_model.model))
         self._setup_agents()
         reward_funcs, reward_processing_classes = self._reward_sources
         self.rewards = RewardFunctions(
@@ -126,7 +126,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         for i, reward_model in self.rewards.models():
             self.rewards.funcs[i] = prepare_frozen_model(reward_model.requires_grad_(False), self.accelerator)
         self._check_prompt_lengths()
-        self.plan = RolloutPlan.resolve(self.old_logps, self.args, self.reference.available)
+        self.plan = RolloutPlan.resolve(self.old_logps, self.args, self.reference_model.available)
         self._step, self._buffer, self._rollout, self._step_time = 0, None, None, 0.0
         self.completion_log = CompletionLog(self.args.generation_batch_size)
         # Each process samples different completions, reproducibly (the samplers have their own seeded generator).
@@ -382,7 +382,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
                 batch.old_logps = self.token_logprobs(
                     self.model, input_ids, attention_mask, width, batch_size=chunk, **extra
                 ).logps
-            if self.reference.available:
+            if self.reference_model.available:
                 batch.ref_logps = self.reference_logprobs(input_ids, attention_mask, width, batch_size=chunk, **extra)
 
     def _score(self, rows, prompts, completions, out: GenerationOutput) -> torch.Tensor:

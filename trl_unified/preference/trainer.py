@@ -235,7 +235,7 @@ class PreferenceTrainer(PolicyTrainerBase):
         """Per-token reference log-probs of one batch, or of several in one forward (rows of different batches that
         share a prompt then encode it once: KTO's completion and KL rows), returned per batch."""
         joined = sequences[0] if len(sequences) == 1 else SequenceBatch.concat(sequences, self._pad_token_id())
-        with torch.no_grad(), self.reference.use(self.accelerator, self.model) as ref_model:
+        with torch.no_grad(), self.reference_model.use(self.accelerator, self.model) as ref_model:
             logps = self.completion_logps(ref_model, joined)
         if len(sequences) == 1:
             return logps
@@ -276,7 +276,7 @@ class PreferenceTrainer(PolicyTrainerBase):
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         """As TRL: a dataset passed here is prepared like the init-time ones (and gets its reference log-probs)."""
         if eval_dataset is not None and not isinstance(eval_dataset, str):
-            if self.precompute_ref_logps and self.reference.kind == "policy" and self.state.global_step > 0:
+            if self.precompute_ref_logps and self.reference_model.kind == "policy" and self.state.global_step > 0:
                 raise ValueError(
                     "Cannot compute reference log-probs for a dataset passed to evaluate() after training started: "
                     "precompute_ref_log_probs=True and no ref_model was given, so the reference was the untrained "
