@@ -19,12 +19,14 @@ def count_a(completions, **kwargs):
     return [c.split().count("a") / max(1, len(c.split())) for c in completions]
 
 
-def rloo_args(tmp_path, **overrides) -> RLOOConfig:
+UNSET = object()  # an override of UNSET drops a default (the config's own default applies)
+
+
+def tiny_run_args(config_cls, output_dir, **overrides):
+    """The tiny training run every test builds: `config_cls(output_dir=str(output_dir), <defaults below>)` with
+    `overrides` on top (a builder passes what differs; UNSET removes a field)."""
     kwargs = dict(
-        output_dir=str(tmp_path / "out"),
         per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=6,
         max_steps=2,
         learning_rate=1e-2,
         logging_steps=1,
@@ -35,7 +37,12 @@ def rloo_args(tmp_path, **overrides) -> RLOOConfig:
         seed=0,
     )
     kwargs.update(overrides)
-    return RLOOConfig(**kwargs)
+    return config_cls(output_dir=str(output_dir), **{k: v for k, v in kwargs.items() if v is not UNSET})
+
+
+def rloo_args(tmp_path, **overrides) -> RLOOConfig:
+    defaults = dict(num_generations=2, max_completion_length=6)
+    return tiny_run_args(RLOOConfig, tmp_path / "out", **{**defaults, **overrides})
 
 
 def varied_reward(completions, **kwargs):

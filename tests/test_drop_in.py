@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset
 from transformers import DynamicCache, GenerationConfig
 
-from tests.helpers import count_a, prompt_dataset, rloo_args, varied_reward
+from tests.helpers import count_a, prompt_dataset, rloo_args, tiny_run_args, varied_reward
 from trl_unified import (
     DPOConfig,
     DPOTrainer,
@@ -36,12 +36,7 @@ PAIRS = {
 
 
 def pref_args(config, tmp_path, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path / "pref"), per_device_train_batch_size=4, max_steps=2, learning_rate=1e-2,
-        logging_steps=1, bf16=False, report_to=[], save_strategy="no", gradient_checkpointing=False, seed=0,
-    )  # fmt: skip
-    kwargs.update(overrides)
-    return config(**kwargs)
+    return tiny_run_args(config, tmp_path / "pref", **overrides)
 
 
 # ------------------------------------------------------------------ models and references
@@ -91,16 +86,35 @@ def test_trl_attributes_read_by_callbacks(make, llama_path, tmp_path):
 
 # ------------------------------------------------------------------ online trainers
 def test_an_iterable_eval_set_passed_to_evaluate(llama_path, tmp_path):
+    """Untrained, the policy is the reference (KL 0) and the ratio is 1, so each batch's loss is -mean A_i: 0, as
+    the leave-one-out advantages of a group sum to 0 and an eval batch of 4 holds 2 whole groups of 2. The reward
+    is the mean of every score the reward function returned (batches of equal size)."""
+    scored = []
+
+    def recorded_reward(completions, **kwargs):
+        values = varied_reward(completions)
+        scored.extend(values)
+        return values
+
     trainer = RLOOTrainer(
         llama_path,
-        varied_reward,
+        recorded_reward,
         args=rloo_args(tmp_path, per_device_eval_batch_size=4),
         train_dataset=prompt_dataset(),
     )
     metrics = trainer.evaluate(eval_dataset=prompt_dataset(8).to_iterable_dataset())
-    assert metrics["eval_loss"] is not None and "eval_reward" in metrics
+    assert len(scored) == 8 * 2  # 8 prompts x num_generations_eval
+    assert metrics["eval_loss"] == pytest.approx(0.0, abs=1e-5) and metrics["eval_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["eval_reward"] == pytest.approx(sum(scored) / len(scored), abs=1e-6)
+    scored.clear()
     metrics = trainer.evaluate(eval_dataset={"a": prompt_dataset(4).to_iterable_dataset(), "b": prompt_dataset(4)})
-    assert "eval_a_loss" in metrics and "eval_b_loss" in metrics
+    assert len(scored) == 2 * 4 * 2  # split a's 8 completions, then b's
+    for i, split in enumerate("ab"):
+        assert metrics[f"eval_{split}_loss"] == pytest.approx(0.0, abs=1e-5)
+        # TRL's generation metrics keep the plain `eval_` prefix: each split's own log record holds them
+        (record,) = [log for log in trainer.state.log_history if f"eval_{split}_loss" in log]
+        assert record["eval_reward"] == pytest.approx(sum(scored[8 * i : 8 * (i + 1)]) / 8, abs=1e-6)
+        assert record["eval_kl"] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_beam_search_generation_kwargs_fall_back_from_the_shared_prefix(llama_path, tmp_path):
@@ -152,12 +166,16 @@ def test_max_completion_length_none_trains_with_generates_default(llama_path, tm
 
 
 def test_reward_function_may_return_a_generator(llama_path, tmp_path):
+    lengths = []
+
     def lazy(completions, **kwargs):
+        lengths.extend(len(c) for c in completions)
         return (float(len(c)) for c in completions)
 
     trainer = RLOOTrainer(llama_path, lazy, args=rloo_args(tmp_path, max_steps=1), train_dataset=prompt_dataset())
     trainer.train()
-    assert trainer.state.log_history[0]["rewards/lazy/mean"] > 0
+    assert len(lengths) == 4  # one step: 2 prompts x 2 completions
+    assert trainer.state.log_history[0]["rewards/lazy/mean"] == pytest.approx(sum(lengths) / 4, abs=1e-5)
 
 
 def test_top_p_zero_is_accepted_as_in_transformers(tmp_path):
@@ -249,7 +267,13 @@ def test_kto_takes_integer_labels_and_counts_one_sided_data_right(llama_path, tm
     data = {"prompt": PAIRS["prompt"], "completion": PAIRS["chosen"], "label": [1, 0] * 4}
     trainer = KTOTrainer(llama_path, args=pref_args(KTOConfig, tmp_path), train_dataset=Dataset.from_dict(data))
     trainer.train()
-    assert "rewards/chosen" in trainer.state.log_history[0]
+    # Step 1 (sequential sampler: rows 0-3, labels 1 0 1 0) runs with the policy equal to the reference: h = 0 and
+    # z_0 = 0, so every reward is 0 and each row's loss is 1 - sigmoid(0) = 0.5 (weights 1).
+    first = trainer.state.log_history[0]
+    assert first["step"] == 1
+    for key in ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert first[key] == pytest.approx(0.0, abs=1e-6), key
+    assert first["loss"] == pytest.approx(0.5, abs=1e-4)
     with caplog.at_level(logging.WARNING):
         KTOTrainer(
             llama_path,

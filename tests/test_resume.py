@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def start(kind, out, mode):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "tests", "resume_job.py"), kind, str(out), mode],
+        [sys.executable, os.path.join(ROOT, "tests", "jobs", "resume_job.py"), kind, str(out), mode],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

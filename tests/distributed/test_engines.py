@@ -15,7 +15,7 @@ from tests.distributed.test_multiprocess import ROOT, launch
 
 
 CONFIGS = os.path.join(ROOT, "examples", "accelerate_configs")
-SCRIPT = os.path.join(ROOT, "tests", "distributed", "run_engine_smoke.py")
+SCRIPT = os.path.join(ROOT, "tests", "jobs", "run_engine_smoke.py")
 
 
 def smoke(config, kind, tmp_path):

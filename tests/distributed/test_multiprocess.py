@@ -22,7 +22,7 @@ def launch(script_args, config=DDP_CONFIG, timeout=600):
 
 @pytest.mark.distributed
 def test_two_processes_train_and_gather_eval_records_without_duplicates(tmp_path):
-    launch([os.path.join(ROOT, "tests", "distributed", "run_rloo_eval.py"), str(tmp_path)])
+    launch([os.path.join(ROOT, "tests", "jobs", "run_rloo_eval.py"), str(tmp_path)])
     result = json.load(open(tmp_path / "result.json"))
     assert result["num_processes"] == 2
     assert result["changed"] == result["total"]
@@ -56,7 +56,7 @@ def test_grm_example_runs_with_two_processes(tmp_path):
 @pytest.mark.parametrize("kind", ["rloo", "grpo", "grm", "dpo", "kto"])
 def test_ddp_two_processes_equal_one_process_and_accumulation(kind, tmp_path):
     """2 processes x bs 4 == 1 process x bs 8 == bs 4 x accumulation 2 after 2 SGD steps (tolerance 1e-5)."""
-    script = os.path.join(ROOT, "tests", "distributed", "run_equivalence.py")
+    script = os.path.join(ROOT, "tests", "jobs", "run_equivalence.py")
     launch([script, kind, str(tmp_path), "ddp"])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     jobs = [  # the two 1-process layouts side by side (one core each)
@@ -92,7 +92,7 @@ def test_ddp_two_processes_equal_one_process_and_accumulation(kind, tmp_path):
 def test_ppo_two_processes_keep_policy_and_critic_in_sync(tmp_path):
     """PPO on 2 processes: the attached value model is trained through the same DDP wrapper as the policy, so both
     ranks end with identical policy and critic parameters; the rollout metrics are gathered."""
-    launch([os.path.join(ROOT, "tests", "distributed", "run_equivalence.py"), "ppo", str(tmp_path), "ddp"])
+    launch([os.path.join(ROOT, "tests", "jobs", "run_equivalence.py"), "ppo", str(tmp_path), "ddp"])
     import torch
 
     ranks = [torch.load(tmp_path / f"ppo-ddp-rank{r}.pt") for r in (0, 1)]
@@ -106,7 +106,7 @@ def test_ppo_two_processes_keep_policy_and_critic_in_sync(tmp_path):
     moved = 0
     for name, value in ranks[0]["params"].items():
         torch.testing.assert_close(ranks[1]["params"][name], value, rtol=0, atol=0, msg=name)
-        if name.startswith("value_model.model."):
-            moved += not torch.equal(value, initial[name[len("value_model.model.") :]].detach())
+        if name.startswith("value_model."):  # the value model's own names under the policy's `value_model.`
+            moved += not torch.equal(value, initial[name[len("value_model.") :]].detach())
     assert moved > 0  # the critic was trained, in step on both ranks
     assert [log["episode"] for log in ranks[0]["logs"] if "episode" in log] == [8, 16]  # 2 processes x 4 rows

@@ -7,6 +7,7 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
+from tests.helpers import tiny_run_args
 from trl_unified import GRMConfig, GRMTrainer
 from trl_unified.testing import build_causal_lm, build_image, build_vision_language_model
 
@@ -25,22 +26,8 @@ def judging_row(a, b):
 
 
 def grm_args(tmp_path, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path / "grm"),
-        per_device_train_batch_size=4,
-        max_steps=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        bf16=False,
-        report_to=[],
-        save_strategy="no",
-        gradient_checkpointing=False,
-        max_completion_length=6,
-        per_device_eval_batch_size=8,
-        seed=0,
-    )
-    kwargs.update(overrides)
-    return GRMConfig(**kwargs)
+    defaults = dict(learning_rate=1e-3, max_completion_length=6, per_device_eval_batch_size=8)
+    return tiny_run_args(GRMConfig, tmp_path / "grm", **{**defaults, **overrides})
 
 
 # ------------------------------------------------------------------ data and masks
@@ -342,9 +329,16 @@ def test_streaming_dataset_trains_like_the_map_style_one(tokenizer, tmp_path):
         trainer = GRMTrainer(model, args=args, train_dataset=data, processing_class=tokenizer)
         if kind == "map":  # same row order as the stream
             trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(trainer.train_dataset)
+            # Step 1 trains rows 0-3 under the initial weights: its loss is their mean judgment-token NLL.
+            batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+            with torch.no_grad():
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+            targets = batch["labels"][:, 1:]
+            mask = targets != -100
+            first_loss = torch.nn.functional.cross_entropy(logits[mask], targets[mask]).item()
         trainer.train()
         losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-        assert len(losses) == 2 and all(math.isfinite(v) and v > 0 for v in losses)
+        assert len(losses) == 2 and losses[0] == pytest.approx(first_loss, rel=1e-5), kind
         for name, p in model.named_parameters():
             assert not torch.equal(p, before[name]), f"{kind}: {name} did not change"
         params[kind] = {n: p.detach().clone() for n, p in model.named_parameters()}

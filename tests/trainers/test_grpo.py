@@ -4,26 +4,21 @@ import dataclasses
 import inspect
 import logging
 import math
-from statistics import mean
+from statistics import mean, stdev
 
 import pytest
 import torch
 import trl
 from datasets import IterableDataset
 
-from tests.helpers import count_a, prompt_dataset, varied_reward
+from tests.helpers import count_a, prompt_dataset, tiny_run_args, varied_reward
 from trl_unified import GRPOConfig, GRPOTrainer
 from trl_unified.testing import build_causal_lm
 
 
 def grpo_args(tmp_path, **overrides) -> GRPOConfig:
-    kwargs = dict(
-        output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=4, num_generations=2, max_completion_length=6,
-        max_steps=2, learning_rate=1e-2, logging_steps=1, bf16=False, report_to=[], save_strategy="no",
-        gradient_checkpointing=False, seed=0,
-    )  # fmt: skip
-    kwargs.update(overrides)
-    return GRPOConfig(**kwargs)
+    defaults = dict(num_generations=2, max_completion_length=6)
+    return tiny_run_args(GRPOConfig, tmp_path / "grpo", **{**defaults, **overrides})
 
 
 # ------------------------------------------------------------------ config and constructor parity
@@ -126,15 +121,27 @@ def test_training_changes_every_parameter_and_logs_trl_metrics(llama_path, tmp_p
         assert not torch.equal(p, before[name]), f"{name} did not change"
     logs = [log for log in trainer.state.log_history if "loss" in log]
     assert [log["step"] for log in logs] == [1, 2, 3]
+    # Step 1 runs the policy that sampled the batch, equal to the reference: KL 0, ratio 1 (no clipping). Step 3
+    # samples afresh and scores with the parameters that sampled: ratio 1 again. Step 2 reuses step 1's batch.
+    assert logs[0]["kl"] == pytest.approx(0.0, abs=1e-6)
     for log in logs:
-        for key in ("kl", "entropy", "clip_ratio/region_mean", "step_time"):
-            assert math.isfinite(log[key]), key
+        clipped = log["clip_ratio/region_mean"]
+        assert clipped == 0.0 if log["step"] in (1, 3) else 0.0 <= clipped <= 1.0
+        assert log["kl"] >= -1e-6 and log["step_time"] > 0
     generated = [log for log in logs if "reward" in log]  # num_iterations=2: steps 1 and 3 generate, 2 reuses
     assert [log["step"] for log in generated] == [1, 3]
     for log in generated:
-        for key in ("reward_std", "frac_reward_zero_std", "completions/mean_length", "num_tokens"):
-            assert math.isfinite(log[key]), key
         assert 0 <= log["reward"] <= 6 / 7 and log["reward"] == log["rewards/varied_reward/mean"]
+        assert 1 <= log["completions/mean_length"] <= 6  # max_completion_length
+    assert 0 < generated[0]["num_tokens"] < generated[1]["num_tokens"]  # a running total
+    # The last generation (step 3: 2 prompts x 2 completions) is in trainer._logs: its metrics by hand.
+    rewards = list(trainer._logs["rewards"]["varied_reward"])
+    assert generated[1]["reward"] == pytest.approx(mean(rewards), abs=1e-6)
+    assert generated[1]["reward_std"] == pytest.approx(stdev(rewards), abs=1e-6)  # Bessel-corrected, over the batch
+    groups = [rewards[0:2], rewards[2:4]]
+    assert generated[1]["frac_reward_zero_std"] == mean(float(a == b) for a, b in groups)
+    expected = [(r - mean(g)) / (stdev(g) + 1e-4) for g in groups for r in g]  # scale_rewards="group"
+    assert list(trainer._logs["advantages"]) == pytest.approx(expected, abs=1e-4)
     for log in logs:
         assert 0 < log["entropy"] <= math.log(len(trainer.processing_class)) + 1e-4
     assert trainer.ref_model is not None and trainer.reward_funcs == [varied_reward]

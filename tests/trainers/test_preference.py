@@ -1,8 +1,10 @@
 """DPOTrainer and KTOTrainer: TRL's configs and constructors, data handling, the shared collator, precomputed
 reference log-probs for later eval sets, generative accuracy next to the preference metrics, and learning."""
 
+import copy
 import dataclasses
 import inspect
+import math
 import random
 import time
 
@@ -12,6 +14,7 @@ import trl
 from datasets import Dataset
 
 import trl_unified
+from tests.helpers import tiny_run_args
 from trl_unified import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, PairedCollator, UnpairedCollator
 from trl_unified.preference.data import pack
 from trl_unified.testing import build_causal_lm
@@ -77,13 +80,8 @@ def test_collator_stacks_chosen_then_rejected_and_truncates():
 
 
 def dpo_args(tmp_path, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path / "dpo"), per_device_train_batch_size=4, per_device_eval_batch_size=4, max_steps=2,
-        learning_rate=1e-2, logging_steps=1, bf16=False, report_to=[], save_strategy="no",
-        gradient_checkpointing=False, seed=0, max_length=16, max_completion_length=4,
-    )  # fmt: skip
-    kwargs.update(overrides)
-    return DPOConfig(**kwargs)
+    defaults = dict(per_device_eval_batch_size=4, max_length=16, max_completion_length=4)
+    return tiny_run_args(DPOConfig, tmp_path / "dpo", **{**defaults, **overrides})
 
 
 def pairs(n, seed, answer=False):
@@ -102,15 +100,46 @@ def pairs(n, seed, answer=False):
 
 def test_training_changes_parameters_and_logs_trl_metrics(tokenizer, tmp_path):
     model = build_causal_lm(tokenizer, "qwen2")
+    initial = copy.deepcopy(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = DPOTrainer(model, args=dpo_args(tmp_path), train_dataset=Dataset.from_dict(pairs(8, 0)),
                          processing_class=tokenizer)  # fmt: skip
+    batches, policy_loss = [], trainer.compute_policy_loss
+
+    def recording_policy_loss(model, inputs, num_items_in_batch=None):
+        batches.append(inputs.sequences)
+        return policy_loss(model, inputs, num_items_in_batch)
+
+    trainer.compute_policy_loss = recording_policy_loss
     trainer.train()
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach().cpu(), before[n])]
     assert len(changed) == len(before)
     logs = [log for log in trainer.state.log_history if "loss" in log]
-    for key in ("rewards/chosen", "rewards/margins", "rewards/accuracies", "logps/rejected", "entropy", "num_tokens"):
-        assert all(torch.isfinite(torch.tensor(log[key])) for log in logs), key
+    assert [log["step"] for log in logs] == [1, 2] and len(batches) == 2
+    # Step 1 runs with the policy equal to the reference: h_w = h_l = 0, so every reward is 0, no pair is "accurate"
+    # (strict >) and the sigmoid loss is -log sigmoid(0) = log 2. Log-probs and entropy: the untrained model's, over
+    # the completion tokens of the first batch (rows 0..3 chosen, 4..7 rejected), by a plain forward.
+    first = logs[0]
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert first[key] == pytest.approx(0.0, abs=1e-6), key
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-4)
+    seq = batches[0]
+    with torch.no_grad():
+        logits = initial(input_ids=seq.input_ids, attention_mask=seq.attention_mask).logits[:, :-1].float()
+    log_probs = torch.log_softmax(logits, dim=-1)
+    mask = seq.completion_mask[:, 1:].float()
+    token_logps = log_probs.gather(-1, seq.input_ids[:, 1:, None]).squeeze(-1)
+    chosen_logps, rejected_logps = (token_logps * mask).sum(1).chunk(2)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    assert first["logps/chosen"] == pytest.approx(chosen_logps.mean().item(), abs=1e-4)
+    assert first["logps/rejected"] == pytest.approx(rejected_logps.mean().item(), abs=1e-4)
+    assert first["entropy"] == pytest.approx(((entropy * mask).sum() / mask.sum()).item(), abs=1e-4)
+    # num_tokens: the running total of non-padding tokens (prompt + completion, chosen and rejected rows) trained on.
+    seen = [b.attention_mask.sum().item() for b in batches]
+    assert [log["num_tokens"] for log in logs] == [seen[0], seen[0] + seen[1]]
+    second = logs[1]  # after one update: margins are the mean difference, accuracies a fraction of 4 pairs
+    assert second["rewards/margins"] == pytest.approx(second["rewards/chosen"] - second["rewards/rejected"], abs=1e-6)
+    assert second["rewards/accuracies"] in (0.0, 0.25, 0.5, 0.75, 1.0)
     assert trainer.ref_model is not None and trainer.beta == 0.1
     assert {"trl", "dpo", "trl_unified"} <= set(trainer.model.model_tags)
 
@@ -121,7 +150,7 @@ def test_precomputed_reference_serves_eval_sets_passed_later(tokenizer, tmp_path
     model = build_causal_lm(tokenizer, "qwen2")
     args = dpo_args(tmp_path, precompute_ref_log_probs=True)
     trainer = DPOTrainer(model, args=args, train_dataset=Dataset.from_dict(pairs(8, 0)), processing_class=tokenizer)
-    assert trainer.reference.kind == "policy" and trainer.ref_model is None  # no copy is kept
+    assert trainer.reference_model.kind == "policy" and trainer.ref_model is None  # no copy is kept
     assert {"ref_chosen_logps", "ref_rejected_logps"} <= set(trainer.train_dataset.column_names)
     metrics = trainer.evaluate(Dataset.from_dict(pairs(4, 1)))
     assert abs(metrics["eval_rewards/margins"]) < 1e-6 and abs(metrics["eval_rewards/chosen"]) < 1e-6

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset
 
+from tests.helpers import UNSET, tiny_run_args
 from trl_unified import GRMConfig, GRMReward, GRMTrainer
 from trl_unified.testing import build_image, build_video, build_vision_language_model
 
@@ -27,20 +28,8 @@ def video_row(i, with_image=False):
 
 
 def grm_args(tmp_path, **kwargs):
-    defaults = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        optim="sgd",
-        max_steps=1,
-        bf16=False,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        eval_max_new_tokens=6,
-    )
-    return GRMConfig(**{**defaults, **kwargs})
+    defaults = dict(optim="sgd", max_steps=1, gradient_checkpointing=UNSET, eval_max_new_tokens=6)
+    return tiny_run_args(GRMConfig, tmp_path, **{**defaults, **kwargs})
 
 
 def test_video_rows_learn_the_judgment_only_with_the_hand_computed_loss(tmp_path):

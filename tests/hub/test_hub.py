@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from tests.hub_server import HubStandIn
+from tests.jobs.hub_server import HubStandIn
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKEN = "hf_thisIsASecretTestToken123"
 
 
@@ -25,7 +25,7 @@ def test_push_to_hub_uploads_model_tokenizer_and_card(kind, tmp_path):
             "WANDB_DISABLED": "true",
         }
         result = subprocess.run(
-            [sys.executable, os.path.join(ROOT, "tests", "push_to_hub_job.py"), kind, str(tmp_path), TOKEN],
+            [sys.executable, os.path.join(ROOT, "tests", "jobs", "push_to_hub_job.py"), kind, str(tmp_path), TOKEN],
             capture_output=True,
             text=True,
             env=env,

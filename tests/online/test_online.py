@@ -1,4 +1,4 @@
-"""The online core (`trl_unified/base/online.py`): TRL's usage surface, the typed rollout batch, iterable data,
+"""The online core (`trl_unified/online/`): TRL's usage surface, the typed rollout batch, iterable data,
 sync_ref_model, all-None rewards, and a new online algorithm written in a few lines."""
 
 import logging
@@ -29,13 +29,13 @@ def test_rollout_batch_select_split_and_model_inputs():
         row_index=torch.arange(4),
         is_truncated=torch.tensor([False, False, True, False]),
         old_logps=torch.arange(12.0).view(4, 3),
-        image_inputs=[{"pixel_values": torch.full((1, 2), float(i))} for i in range(4)],
+        visual_inputs=[{"pixel_values": torch.full((1, 2), float(i))} for i in range(4)],
         prompt_token_inputs={"mm_token_type_ids": torch.tensor([[0, 1], [1, 1], [0, 0], [1, 0]])},
     )
     picked = batch.select(torch.tensor([2, 0]))
     assert picked.rewards.tolist() == [2.0, 0.0] and picked.row_index.tolist() == [2, 0]
     assert picked.old_logps.tolist() == [[6.0, 7.0, 8.0], [0.0, 1.0, 2.0]] and picked.ref_logps is None
-    assert [row["pixel_values"][0, 0].item() for row in picked.image_inputs] == [2.0, 0.0]
+    assert [row["pixel_values"][0, 0].item() for row in picked.visual_inputs] == [2.0, 0.0]
     assert picked.prompt_token_inputs["mm_token_type_ids"].tolist() == [[0, 0], [0, 1]]
     first, second = batch.split(2)
     assert first.rewards.tolist() == [0.0, 1.0] and second.completion_ids.tolist() == [[4, 4, 4], [5, 6, 0]]
@@ -74,7 +74,7 @@ def test_trl_attributes_ref_model_reward_funcs_and_processing_classes(llama_path
         train_dataset=prompt_dataset(),
         peft_config=LoraConfig(**LORA),
     )
-    assert peft.ref_model is None and peft.reference.kind == "adapter_disabled"
+    assert peft.ref_model is None and peft.reference_model.kind == "adapter_disabled"
 
 
 def test_logs_have_trl_structure(llama_path, tmp_path):
@@ -172,12 +172,12 @@ def test_ref_adapter_only_for_a_model_that_arrives_with_an_adapter(tokenizer, tm
     args = rloo_args(tmp_path, beta=0.1)
     fresh = RLOOTrainer(build_causal_lm(tokenizer, "llama"), varied_reward, args=args, processing_class=tokenizer,
                         train_dataset=prompt_dataset(), peft_config=LoraConfig(**LORA))  # fmt: skip
-    assert fresh.reference.kind == "adapter_disabled" and "ref" not in fresh.model.peft_config
+    assert fresh.reference_model.kind == "adapter_disabled" and "ref" not in fresh.model.peft_config
     arrived = get_peft_model(build_causal_lm(tokenizer, "llama"), LoraConfig(**LORA))
     trainer = RLOOTrainer(
         arrived, varied_reward, args=args, processing_class=tokenizer, train_dataset=prompt_dataset()
     )
-    assert trainer.reference.kind == "ref_adapter" and "ref" in trainer.model.peft_config
+    assert trainer.reference_model.kind == "ref_adapter" and "ref" in trainer.model.peft_config
 
 
 # ------------------------------------------------------------------ rewards

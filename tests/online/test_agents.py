@@ -1,4 +1,4 @@
-"""Agents in the online core (base/agents.py): tools, the multi-turn tool loop, rollout functions and environments.
+"""Agents in the online core (online/agents.py): tools, the multi-turn tool loop, rollout functions and environments.
 
 Generation is scripted where the test needs given completions (a patched `model.generate`, as TRL's own tests do): the
 tiny model is random, the code under test is everything around it.
@@ -10,6 +10,7 @@ import pytest
 import torch
 from datasets import Dataset
 
+from tests.helpers import tiny_run_args
 from trl_unified import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl_unified.online.agents import EventLoopThread, run_tool_calls, tool_suffix_ids
 from trl_unified.testing import build_causal_lm, build_tool_tokenizer
@@ -77,13 +78,10 @@ def conversations(n=4, text="What is 3 times 4?"):
 
 
 def agent_args(tmp_path, config=GRPOConfig, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path / "agent"), per_device_train_batch_size=3, num_generations=3,
-        max_completion_length=128, max_steps=1, learning_rate=0.1, logging_steps=1, bf16=False, report_to=[],
-        save_strategy="no", gradient_checkpointing=False, seed=0,
-    )  # fmt: skip
-    kwargs.update(overrides)
-    return config(**kwargs)
+    defaults = dict(
+        per_device_train_batch_size=3, num_generations=3, max_completion_length=128, max_steps=1, learning_rate=0.1
+    )
+    return tiny_run_args(config, tmp_path / "agent", **{**defaults, **overrides})
 
 
 def record_rewards(seen):

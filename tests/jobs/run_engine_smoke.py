@@ -65,13 +65,13 @@ if trainer.is_deepspeed_enabled:
         return original(*args, **kwargs)
 
     deepspeed.zero.GatheredParameters = counting
-ref = trainer.reference.model
+ref = trainer.reference_model.model
 summary = {
     "ref_partitioned": ref is not None and any(hasattr(p, "ds_id") for p in ref.parameters()),
     "engine": str(trainer.accelerator.distributed_type),
     "processes": trainer.accelerator.num_processes,
-    "reference": trainer.reference.kind,
-    "reference_type": type(trainer.reference.model).__name__,
+    "reference": trainer.reference_model.kind,
+    "reference_type": type(trainer.reference_model.model).__name__,
 }
 trainer.train()
 metrics = trainer.evaluate() if kind == "grm" else {}

@@ -19,16 +19,16 @@ def probe(tokenizer):
 
 def test_beta_zero_builds_no_reference(llama_path, tokenizer, tmp_path):
     trainer = RLOOTrainer(llama_path, count_a, args=rloo_args(tmp_path, beta=0.0), train_dataset=prompt_dataset())
-    assert trainer.reference.kind == "none" and not trainer.reference.available
+    assert trainer.reference_model.kind == "none" and not trainer.reference_model.available
     with pytest.raises(RuntimeError, match="no reference model"):
-        with trainer.reference.use():
+        with trainer.reference_model.use():
             pass
 
 
 def test_plain_model_gets_frozen_copy_in_eval_mode(llama_path, tmp_path):
     trainer = RLOOTrainer(llama_path, count_a, args=rloo_args(tmp_path, beta=0.1), train_dataset=prompt_dataset())
-    ref = trainer.reference.model
-    assert trainer.reference.kind == "copy" and ref is not trainer.model
+    ref = trainer.reference_model.model
+    assert trainer.reference_model.kind == "copy" and ref is not trainer.model
     assert not any(p.requires_grad for p in ref.parameters())
     assert not ref.training
     for (name, p), q in zip(trainer.model.named_parameters(), ref.parameters()):
@@ -47,7 +47,7 @@ def test_in_memory_model_never_saved_gets_a_reference(llama_model, tokenizer, tm
         train_dataset=prompt_dataset(),
         processing_class=tokenizer,
     )
-    assert trainer.reference.kind == "copy"
+    assert trainer.reference_model.kind == "copy"
     trainer.train()
     kl = [log["kl"] for log in trainer.state.log_history if "loss" in log]
     assert len(kl) == 2 and all(math.isfinite(v) for v in kl)
@@ -67,7 +67,7 @@ def test_peft_reference_is_the_base_model(llama_model, tokenizer, tmp_path):
         processing_class=tokenizer,
         peft_config=LoraConfig(**LORA),
     )
-    assert trainer.reference.kind == "adapter_disabled" and trainer.reference.model is None  # no copy kept
+    assert trainer.reference_model.kind == "adapter_disabled" and trainer.reference_model.model is None  # no copy kept
     trainer.train()
     with torch.no_grad():
         ref_logps = trainer.reference_logprobs(ids, mask, keep)
@@ -94,7 +94,7 @@ def test_pretrained_adapter_reference_is_a_frozen_copy_of_it(llama_model, tokeni
         train_dataset=prompt_dataset(),
         processing_class=tokenizer,
     )
-    assert isinstance(trainer.model, PeftModel) and trainer.reference.kind == "ref_adapter"
+    assert isinstance(trainer.model, PeftModel) and trainer.reference_model.kind == "ref_adapter"
     ref_params = {n: p.clone() for n, p in trainer.model.named_parameters() if ".ref." in n}
     assert ref_params and not any(p.requires_grad for n, p in trainer.model.named_parameters() if ".ref." in n)
     trainer.train()
@@ -113,10 +113,12 @@ def test_explicit_ref_model_by_path(llama_path, qwen2_path, tmp_path):
     trainer = RLOOTrainer(
         llama_path, count_a, args=rloo_args(tmp_path, beta=0.1), train_dataset=prompt_dataset(), ref_model=llama_path
     )
-    assert trainer.reference.kind == "copy" and not any(p.requires_grad for p in trainer.reference.model.parameters())
+    assert trainer.reference_model.kind == "copy" and not any(
+        p.requires_grad for p in trainer.reference_model.model.parameters()
+    )
 
 
-# A ref_model together with a PEFT policy is rejected: tests/test_bad_input.py CASES 'ref_model_with_peft'.
+# A ref_model together with a PEFT policy is the reference (TRL's rule): tests/test_drop_in.py.
 
 
 def test_pretrained_adapter_on_expert_parameters_gets_a_frozen_copy(tokenizer, tmp_path):
@@ -146,7 +148,7 @@ def test_pretrained_adapter_on_expert_parameters_gets_a_frozen_copy(tokenizer, t
         train_dataset=prompt_dataset(),
         processing_class=tokenizer,
     )
-    assert "ref" not in trainer.model.peft_config and trainer.reference.kind == "copy"
+    assert "ref" not in trainer.model.peft_config and trainer.reference_model.kind == "copy"
     trainer.train()
     with torch.no_grad():
         torch.testing.assert_close(trainer.reference_logprobs(ids, mask, keep), start_logps, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,4 @@
-"""base/shutdown.py: a process whose gloo process group is still referenced (here by a DDP wrapper, as in training)
+"""core/shutdown.py: a process whose gloo process group is still referenced (here by a DDP wrapper, as in training)
 ends with its own exit status and flushed output, through the path that skips the aborting finalization."""
 
 import os

@@ -112,7 +112,7 @@ def test_qlora_policy_trains_and_saves_an_adapter(llama64_path, tmp_path):
         quantization_config=quantization,
         peft_config=LoraConfig(**LORA),
     )
-    assert trainer.model.is_loaded_in_4bit and trainer.reference.kind == "adapter_disabled"
+    assert trainer.model.is_loaded_in_4bit and trainer.reference_model.kind == "adapter_disabled"
     before = {n: p.clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
     trainer.train()
     assert all(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if "lora_" in n)
