@@ -168,11 +168,9 @@ IMPL = {"name": "ours"}
 
 def _name(name: str) -> str:
     """One parameter naming for both: TRL 1.12's wrapper has `policy.<p>` and `value_model.<p>`; ours is the policy
-    with the critic attached as `value_model.model.<p>`."""
+    with the critic attached as `value_model.<p>`."""
     if IMPL["name"] == "trl":
         return name[len("policy.") :] if name.startswith("policy.") else name
-    if name.startswith("value_model.model."):
-        return "value_model." + name[len("value_model.model.") :]
     return name
 
 

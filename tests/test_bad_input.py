@@ -279,12 +279,6 @@ CASES = [
         r"ref_model was given but .* beta=0.0",
     ),
     (
-        "ref_model_with_peft",
-        lambda c: rloo(c, config={"beta": 0.1}, ref_model=c["llama"], peft_config=LoraConfig(**LORA)),
-        ValueError,
-        r"ref_model was given together with a PEFT policy",
-    ),
-    (
         "peft_model_and_config",
         lambda c: rloo(
             c,

@@ -12,9 +12,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DDP_CONFIG = os.path.join(ROOT, "examples", "accelerate_configs", "multi_gpu.yaml")
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch(script_args, config=DDP_CONFIG, timeout=600):
+    """`accelerate launch` of a job on its own rendezvous port (test files run side by side under xdist)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, *script_args]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
+    cmd += ["--main_process_port", str(free_port()), *script_args]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result

@@ -98,8 +98,11 @@ def assert_same_training(ours, theirs, metrics, steps):
         assert any(v.abs().sum() > 0 for v in g.values()), f"no gradient at step {step}"
         for name in g:
             torch.testing.assert_close(g[name], ref_g[name], rtol=1e-4, atol=1e-5, msg=f"step {step} {name}")
+    # Final parameters after 3 Adam steps: Adam's normalised step turns float noise in a near-zero gradient into up
+    # to ~lr of update, so they get a slightly wider band than the gradients (seen: 1.5e-5 on a LoRA B of magnitude
+    # 2e-3, KTO with PEFT, on an AMD EPYC without AVX-512; the gradients above agree to 1e-5 at every step).
     for name, value in ours[2].items():
-        torch.testing.assert_close(value, theirs[2][name], rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(value, theirs[2][name], rtol=1e-4, atol=3e-5, msg=name)
     for key in metrics:
         mine = [log[key] for log in ours[3] if key in log and "loss" in log]
         ref = [log[key] for log in theirs[3] if key in log and "loss" in log]

@@ -7,6 +7,7 @@ import torch
 
 from ..generation.fallbacks import report_fallback
 from ..generation.sharing import PrefixSharingUnsupported, cache_kwarg, encode_prefix, group_prompts
+from .token_ids import embedding_rows, mask_padding
 
 
 # Rows per log-softmax chunk are chosen so one chunk's float32 logits stay under this many elements.
@@ -128,6 +129,7 @@ def compute_token_logprobs(
     ```
     """
     batch_size = batch_size or input_ids.size(0)
+    input_ids = mask_padding(input_ids, attention_mask, embedding_rows(model))  # a pad beyond the table: read as 0
     logps, entropies, aux_losses = [], [], []
     stats: dict[str, list[torch.Tensor]] = {}
     for start in range(0, input_ids.size(0), batch_size):

@@ -29,8 +29,9 @@ class ReferenceModel:
         not the starting policy, so a frozen copy of the adapter, named "ref", is switched in.
       - `"policy"`: the policy itself, valid only before training changes it (reference log-probs precomputed
         before the first step, with no ref_model given: no copy is kept).
-      - `"copy"`: a separate frozen model in eval mode (from `ref_model`, or a deep copy of the policy; also for a
-        PEFT policy whose pretrained adapter targets parameters, which PEFT cannot pair with a "ref" adapter),
+      - `"copy"`: a separate frozen model in eval mode (from `ref_model`, also beside a PEFT policy, as TRL; or a
+        deep copy of the policy; also for a PEFT policy whose pretrained adapter targets parameters, which PEFT
+        cannot pair with a "ref" adapter),
         prepared by accelerate / DeepSpeed / FSDP.
     """
 
@@ -56,12 +57,7 @@ class ReferenceModel:
                     "Set beta > 0 or drop ref_model."
                 )
             return cls("none")
-        if is_peft_model(policy):
-            if ref_model is not None:
-                raise ValueError(
-                    "ref_model was given together with a PEFT policy. With PEFT the reference is the policy with its "
-                    "adapter disabled (or a frozen copy of a pretrained adapter); drop ref_model."
-                )
+        if is_peft_model(policy) and ref_model is None:  # a given ref_model is the reference, PEFT or not (TRL)
             if adapter_is_pretrained and _adapter_targets_parameters(policy):
                 # PEFT hosts one adapter per model when LoRA targets parameters (peft#3340): no "ref" adapter can
                 # be added, so the starting policy is kept as a frozen copy (TRL falls back to the base model).

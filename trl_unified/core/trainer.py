@@ -3,6 +3,7 @@
 import logging
 import math
 import os
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -38,6 +39,7 @@ from .models import (
 )
 from .reference import ReferenceModel
 from .shutdown import install_distributed_shutdown, release_ddp_wrapper
+from .token_ids import embedding_rows, in_table, saved_without_unusable_pad
 
 
 logger = logging.getLogger(__name__)
@@ -198,6 +200,12 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         return row.get(self.args.eval_answer_field)
 
     @property
+    def reference(self):
+        """Deprecated name of `reference_model` (removed in trl_unified 0.3)."""
+        warnings.warn("trainer.reference is deprecated: use trainer.reference_model.", DeprecationWarning, 2)
+        return self.reference_model
+
+    @property
     def ref_model(self):
         """The separate reference model, as TRL's attribute (None when there is none: no reference, a PEFT policy
         with its adapter disabled, or the policy itself before training)."""
@@ -240,6 +248,8 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
     def _sync_special_tokens(model, processing_class):
         tokenizer = get_tokenizer(processing_class)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if tokenizer.pad_token_id is not None and not in_table(tokenizer.pad_token_id, embedding_rows(base)):
+            return  # a pad added without resizing (TRL's PPO recipe): masked in every forward, kept out of the configs
         base.config.get_text_config().pad_token_id = tokenizer.pad_token_id
         if getattr(base, "generation_config", None) is not None:
             base.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -423,7 +433,8 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """`Trainer.save_model`, plus the model card (README.md) beside the weights."""
-        super().save_model(output_dir, _internal_call)
+        with saved_without_unusable_pad(self.accelerator.unwrap_model(self.model)):  # the saved model must load
+            super().save_model(output_dir, _internal_call)
         if self.is_world_process_zero():
             write_model_card(self, output_dir=output_dir or self.args.output_dir)
 

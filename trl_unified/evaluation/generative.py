@@ -86,8 +86,10 @@ class GenerativeEvalMixin:
         ).texts
 
     def _warn_no_answer_column(self, names: list[str]) -> None:
-        if not getattr(self, "_warned_no_answers", False):
+        if not getattr(self, "_warned_no_answers", False):  # once per run, from the main process
             self._warned_no_answers = True
+            if not self.accelerator.is_main_process:
+                return
             logger.warning(
                 f"Generative evaluation is on, but the eval dataset has no {self.args.eval_answer_field!r} column "
                 f"(eval_answer_field; its columns: {names}), so no eval_accuracy is logged. Name the reference-answer "

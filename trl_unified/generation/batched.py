@@ -11,15 +11,18 @@ import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase, ProcessorMixin
 
 from ..core.models import get_tokenizer
+from ..core.token_ids import embedding_rows, padding_fill_id
 from . import lean, transformers_generate
 from .continuous_batching import generate_with_continuous_batching
 from .fallbacks import report_fallback
 from .options import (
     GenerationOptions,
     build_generation_config,
+    eos_ids,
     get_eos_token_ids,
     resolve_options,
     with_decoder_start_token,
+    with_pad_in_table,
 )
 from .output import GenerationOutput, build_output, cut_after_eos
 from .packed_weights import MIN_NEW_TOKENS, packed_linear_weights
@@ -185,18 +188,25 @@ def _generate_in_chunks(model, encoded, generation_config, options: GenerationOp
     max_new_tokens = getattr(generation_config or model.generation_config, "max_new_tokens", None) or 0
     pack = options.lean_decoding and sharded is None and max_new_tokens >= MIN_NEW_TOKENS
     shared_prefix = options.shared_prefix and not is_encoder_decoder
+    # A pad beyond the embedding table (added without resizing) never reaches it: prompts are padded with an id the
+    # table holds, generation feeds that id back after a row's EOS, and the new tokens get the tokenizer's pad again.
+    fill = padding_fill_id(pad_token_id, embedding_rows(model))
+    decoding_config = with_pad_in_table(model, generation_config)
+    refill_after = []  # the EOS ids after which decoding wrote the fill
+    if decoding_config is not generation_config:
+        refill_after = eos_ids(lean.effective_generation_config(model, decoding_config))
     completions, logprobs = [], []
     with packed_linear_weights(model, min(batch_size, len(encoded)), enabled=pack):
         for start in range(0, len(encoded), batch_size):
-            chunk = collate_chunk(
-                encoded[start : start + batch_size], pad_token_id, options.pad_to_multiple_of, device
-            )
+            chunk = collate_chunk(encoded[start : start + batch_size], fill, options.pad_to_multiple_of, device)
             sequences, chunk_logprobs = _generate_chunk(
-                model, chunk, generation_config, shared_prefix, lean_obstacle, options.return_logprobs
+                model, chunk, decoding_config, shared_prefix, lean_obstacle, options.return_logprobs
             )
             logprobs.extend(chunk_logprobs if chunk_logprobs is not None else [None] * len(sequences))
             # decoder-only: drop the prompt; encoder-decoder: drop the decoder start token
             new_tokens = sequences[:, 1:] if is_encoder_decoder else sequences[:, chunk["input_ids"].size(1) :]
+            if refill_after:
+                new_tokens = cut_after_eos(new_tokens, refill_after, pad_token_id)[0]
             completions.extend(new_tokens.cpu())
     return completions, logprobs
 

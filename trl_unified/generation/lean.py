@@ -33,6 +33,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from .options import eos_ids
 from .sharing import _base_model, cache_kwarg, generation_positions
 
 
@@ -147,11 +148,6 @@ def logits_processors(generation_config: GenerationConfig, attention_mask: torch
     return processors
 
 
-def _eos_ids(generation_config: GenerationConfig) -> list[int]:
-    eos = generation_config.eos_token_id
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-
-
 @torch.no_grad()
 def lean_generate(
     model,
@@ -187,7 +183,7 @@ def lean_generate(
     batch, prompt_length = input_ids.shape
     new_tokens = generation_config.max_new_tokens
     device = input_ids.device
-    eos = _eos_ids(generation_config)
+    eos = eos_ids(generation_config)
     pad_token_id = generation_config.pad_token_id
     if pad_token_id is None and eos:
         pad_token_id = eos[0]  # what generate does, with a warning

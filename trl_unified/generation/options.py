@@ -12,6 +12,7 @@ from typing import Any
 from transformers import GenerationConfig
 
 from ..core.models import get_tokenizer
+from ..core.token_ids import embedding_rows, in_table
 
 
 @dataclass
@@ -91,3 +92,23 @@ def with_decoder_start_token(model, generation_config: GenerationConfig | None) 
         generation_config = copy.deepcopy(generation_config)
         generation_config.decoder_start_token_id = model.config.decoder_start_token_id
     return generation_config
+
+
+def eos_ids(generation_config: GenerationConfig) -> list[int]:
+    """The EOS ids of a generation config, as a list (empty when unset)."""
+    eos = generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def with_pad_in_table(model, generation_config: GenerationConfig | None) -> GenerationConfig | None:
+    """`generation_config` (or the model's own), copied with pad id 0 where its pad id is beyond the model's
+    embedding table (TRL's PPO recipe adds a pad token without resizing): `generate` and the lean loop feed the pad
+    back after a row's EOS, at positions the attention mask does not hide. The output is padded with the tokenizer's
+    pad again (`output.build_output`)."""
+    config = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+    pad_token_id = getattr(config, "pad_token_id", None)
+    if pad_token_id is None or in_table(pad_token_id, embedding_rows(model)):
+        return generation_config
+    config = copy.deepcopy(config)
+    config.pad_token_id = 0
+    return config

@@ -8,6 +8,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..core.models import get_tokenizer
+from ..core.token_ids import check_ids_in_table, embedding_rows
 from ..data.datasets import is_conversational_prompt, pad
 from ..data.vision import processor_visual_kwargs
 from .options import GenerationOptions
@@ -29,6 +30,7 @@ def encode_for_generation(
             "at least one prompt token to generate from. Remove empty prompts or give the tokenizer a BOS token."
         )
     check_fits_positions(model, encoded, generation_config)
+    check_prompt_ids(model, encoded, get_tokenizer(processing_class))
     return encoded
 
 
@@ -178,6 +180,18 @@ def collate_chunk(encoded: list[dict[str, Any]], pad_token_id: int, pad_to_multi
         else:
             batch[key] = torch.cat(values).to(device) if isinstance(values[0], torch.Tensor) else values
     return batch
+
+
+def check_prompt_ids(model, encoded, tokenizer=None) -> None:
+    """Raise when a prompt holds a token id beyond the model's embedding table (e.g. a token added to the tokenizer
+    without `resize_token_embeddings`), naming the prompt, the id and the table size."""
+    rows = embedding_rows(model)
+    if rows is None or not encoded:
+        return
+    for i, e in enumerate(encoded):
+        ids = torch.as_tensor(e["input_ids"]).view(-1)
+        if ids.numel() and (int(ids.max()) >= rows or int(ids.min()) < 0):
+            check_ids_in_table(ids, None, rows, f"Prompt {i}", tokenizer=tokenizer)
 
 
 def is_sequence_aligned(value, input_ids) -> bool:

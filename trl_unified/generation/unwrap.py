@@ -49,6 +49,7 @@ def unwrap_for_generation(
     kwargs), train/eval mode and the generation config are restored.
     """
     unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
+    unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)  # torch.compile'd (torch_compile=True): decode eagerly
     base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
     was_training = unwrapped.training
     # Flip the per-layer flags instead of disable/enable: that keeps the checkpoint function and its kwargs.

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 from ..core.logprobs import position_ids_from_mask  # noqa: F401 (re-exported: PPO's users import it here)
+from ..core.models import get_tokenizer
+from ..core.token_ids import check_ids_in_table, check_table_covers_tokenizer, embedding_rows, mask_padding
 
 
 VALUE_WEIGHTS = "value_model.pt"
@@ -108,24 +110,24 @@ def rlhf_objective_metrics(kl, non_score, scores, logps, mask) -> dict[str, torc
     }
 
 
-class ValueHead(nn.Module):
-    """A sequence-classification model used as a critic: its backbone and `score` head, per position."""
+class ValueHead:
+    """The critic's plumbing around a value model (a sequence classifier: a backbone and a `score` head): its value
+    per position, computed inside the policy's forward when requested. It holds no parameters: the value model itself
+    is the policy's submodule `value_model` (`attach_value_model`), the object the user passed, with its own names."""
 
     def __init__(self, model: nn.Module):
-        super().__init__()
         prefix = getattr(model, "base_model_prefix", None)
         if prefix is None or not hasattr(model, prefix) or not hasattr(model, "score"):
             raise ValueError(
                 f"value_model is a {type(model).__name__}: it needs a backbone (`base_model_prefix`) and a `score` "
                 "head, as AutoModelForSequenceClassification.from_pretrained(path, num_labels=1) has."
             )
-        self.model = model
+        self.model, self.rows = model, embedding_rows(model)
+        self._pending, self.values = None, None
 
     def forward_alongside(self, policy: nn.Module) -> None:
         """Install the hook that runs the critic inside the policy's forward when requested (`request_values`): under
         DDP a trained module must run inside the wrapper's forward, or its gradients are reduced out of step."""
-        self._pending = None
-        self.values = None
 
         def hook(module, args, kwargs, output):
             if self._pending is not None and kwargs.get("input_ids") is not None:
@@ -146,11 +148,15 @@ class ValueHead(nn.Module):
             raise RuntimeError("The policy forward did not compute the requested values (no forward ran).")
         return values
 
-    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep: int) -> torch.Tensor:
-        """Values `(B, C)` of the states before each of the last `logits_to_keep` tokens."""
+    def __call__(self, input_ids, attention_mask, position_ids, logits_to_keep: int) -> torch.Tensor:
+        """Values `(B, C)` of the states before each of the last `logits_to_keep` tokens (hidden padding beyond the
+        value model's embedding table read as 0, `core/token_ids.py`)."""
         backbone = getattr(self.model, self.model.base_model_prefix)
         hidden = backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=mask_padding(input_ids, attention_mask, self.rows),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
         ).last_hidden_state
         states = hidden[:, -(logits_to_keep + 1) : -1]  # (B, C, H): the state before each completion token
         return self.model.score(states).squeeze(-1).float()
@@ -158,24 +164,16 @@ class ValueHead(nn.Module):
 
 def attach_value_model(policy: nn.Module, value_model: nn.Module) -> ValueHead:
     """Make `value_model` a trained submodule (`value_model`) of the policy (inside a PEFT wrapper, beside the
-    adapted model), with every parameter trainable. Returns the `ValueHead`."""
+    adapted model), with every parameter trainable, and give the policy TRL 1.12's wrapper attributes:
+    `policy.value_model` is `value_model`, `policy.policy` the policy itself. Returns the `ValueHead`."""
     head = ValueHead(value_model)
-    head.requires_grad_(True)
+    value_model.requires_grad_(True)
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-    base.add_module("value_model", head)
+    base.add_module("value_model", value_model)
+    # TRL 1.12's `trainer.model.policy`: a plain attribute (not a submodule: the module tree must stay acyclic)
+    object.__setattr__(policy, "policy", policy)
     head.forward_alongside(base)
     return head
-
-
-def check_value_vocabulary(policy, value_model) -> None:
-    """The critic reads the policy's token ids: their embedding tables must have the same size."""
-    sizes = [m.get_input_embeddings().weight.shape[0] for m in (policy, value_model)]
-    if sizes[0] != sizes[1]:
-        raise ValueError(
-            f"The value model's vocabulary ({sizes[1]} tokens) differs from the policy's ({sizes[0]}): it reads the "
-            "policy's token ids. Use a value model built on the policy's tokenizer (e.g. "
-            "AutoModelForSequenceClassification.from_pretrained(<policy path>, num_labels=1))."
-        )
 
 
 @contextlib.contextmanager
@@ -191,14 +189,18 @@ def without_value_model(model: nn.Module):
 
 
 def save_value_model(head: ValueHead, folder: str) -> None:
-    torch.save(head.state_dict(), os.path.join(folder, VALUE_WEIGHTS))
+    torch.save(head.model.state_dict(), os.path.join(folder, VALUE_WEIGHTS))
 
 
 def load_value_model(head: ValueHead, folder: str) -> bool:
     path = os.path.join(folder, VALUE_WEIGHTS)
     if not os.path.exists(path):
         return False
-    head.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if set(state) != set(head.model.state_dict()) and all(k.startswith("model.") for k in state):
+        # a checkpoint written before the value model was attached directly: the ValueHead wrapper's names
+        state = {k[len("model.") :]: v for k, v in state.items()}
+    head.model.load_state_dict(state)
     return True
 
 
@@ -238,13 +240,15 @@ class CriticMixin:
     value_head: ValueHead | None = None  # the attached value model
 
     def attach_critic(self, value_model) -> None:
-        """Attach a value model (a sequence classifier on the policy's vocabulary, or its id) as a trained submodule
-        of the policy; saving keeps it out of the published policy and checkpoints keep it for an exact resume."""
+        """Attach a value model (a sequence classifier whose embedding table holds the policy tokenizer's ids, or its
+        id) as a trained submodule of the policy, found as TRL 1.12 has it at `trainer.model.value_model` (and the
+        policy at `trainer.model.policy`); saving keeps it out of the published policy and checkpoints keep it for an
+        exact resume."""
         if isinstance(value_model, str):
             from ..core.models import load_model_plain
 
             value_model = load_model_plain(value_model, what="value model", num_labels=1)
-        check_value_vocabulary(self.model, value_model)
+        check_table_covers_tokenizer(value_model, get_tokenizer(self.processing_class), "value model")
         self.value_model = value_model.to(self.args.device)
         self.value_head = attach_value_model(self.model, self.value_model)
         # DDP's search for unused parameters (the Trainer's default without gradient checkpointing) starts from the
@@ -265,6 +269,7 @@ class CriticMixin:
         without grad, for the rollout; with grad, the loss requests them from the policy's own forward
         (`value_head.request_values`), so that DDP sees the critic inside the wrapper's forward."""
         input_ids, attention_mask, _ = batch.model_inputs()
+        check_ids_in_table(input_ids, attention_mask, self.value_head.rows, "A rollout row", "the value model's")
         positions = position_ids_from_mask(attention_mask)
         width, chunk = batch.completion_ids.size(1), chunk or input_ids.size(0)
         parts = []

@@ -13,6 +13,7 @@ from transformers import AutoModelForSequenceClassification, PreTrainedModel, Pr
 from trl import apply_chat_template, is_conversational
 
 from ..core.models import from_pretrained_checked, load_tokenizer, model_id_of
+from ..core.token_ids import check_ids_in_table, check_table_covers_tokenizer, embedding_rows, padding_fill_id
 
 
 RewardFunc = str | PreTrainedModel | Callable[..., list[float | None]]
@@ -185,14 +186,20 @@ class RewardFunctions:
         extra_columns: dict[str, list[Any]],
         device,
         chat_template_kwargs: dict | None = None,
+        prompt_token_ids: list[list[int]] | None = None,
         **hooks,
     ) -> torch.Tensor:
         """Score every completion with every function. Returns `(N, num_funcs)` float32 rewards; NaN = not applicable.
 
-        `hooks` are passed to callables as keyword arguments (`trainer_state`, `log_metric`, `log_extra`).
+        Callables get TRL's keyword arguments: the dataset's other columns (`extra_columns`, unchanged) and the
+        `hooks` (`trainer_state`, `log_metric`, `log_extra`, ...), plus `prompt_ids` (`prompt_token_ids`, each row's
+        prompt tokens) unless the dataset has a column of that name: a user's column is never shadowed. Scorers of
+        token ids (`TokenIdsRewardModel`) always read `prompt_token_ids`.
         """
         n = len(prompts)
         kwargs = {**extra_columns, **hooks}
+        if prompt_token_ids is not None and "prompt_ids" not in kwargs:
+            kwargs["prompt_ids"] = prompt_token_ids
         out = torch.full((n, len(self.funcs)), float("nan"), dtype=torch.float32)
         pending = []
         for i, (func, name) in enumerate(zip(self.funcs, self.names, strict=True)):
@@ -201,6 +208,8 @@ class RewardFunctions:
                     values = self._score_with_model(
                         func, self.processing_classes[i], prompts, completions, device, chat_template_kwargs or {}
                     )
+                elif isinstance(func, TokenIdsRewardModel):
+                    values = func(prompts, completions, completion_ids, prompt_token_ids)
                 elif is_async_callable(func):
                     pending.append(
                         (
@@ -242,25 +251,28 @@ class TokenIdsRewardModel:
     model sees exactly the sampled ids, EOS included.
 
     Args:
-        model (`PreTrainedModel`): an `AutoModelForSequenceClassification` with one label, on the policy's vocabulary.
-        pad_token_id (`int`): the policy tokenizer's pad token (fills the batch; masked).
+        model (`PreTrainedModel`): an `AutoModelForSequenceClassification` with one label whose embedding table holds
+            the policy tokenizer's ids (a larger table is fine).
+        pad_token_id (`int`): the policy tokenizer's pad token (fills the batch, masked; read as 0 where the reward
+            model's table does not hold it).
     """
 
     def __init__(self, model, pad_token_id: int):
-        self.model, self.pad_token_id = model, pad_token_id
+        self.model, self.rows = model, embedding_rows(model)
+        self.pad_token_id = padding_fill_id(pad_token_id, self.rows)
         self.__name__ = _name_of(model)
 
     @classmethod
     def build(cls, model, policy, processing_class, accelerator) -> "TokenIdsRewardModel":
-        """From a model or its id/path, frozen and placed like the reference; its vocabulary must be the policy's."""
+        """From a model or its id/path, frozen and placed like the reference; its embedding table must hold the ids
+        of the policy's tokenizer (`processing_class`)."""
         from ..core.reference import prepare_frozen_model
-        from .critic import check_value_vocabulary
 
         if isinstance(model, str):
             model = from_pretrained_checked(AutoModelForSequenceClassification, model, "reward model", num_labels=1)
-        check_value_vocabulary(policy, model)
-        pad_token_id = getattr(processing_class, "tokenizer", processing_class).pad_token_id
-        return cls(prepare_frozen_model(model.requires_grad_(False), accelerator), pad_token_id)
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        check_table_covers_tokenizer(model, tokenizer, "reward model")
+        return cls(prepare_frozen_model(model.requires_grad_(False), accelerator), tokenizer.pad_token_id)
 
     @torch.no_grad()
     def __call__(self, prompts, completions, completion_ids, prompt_ids, **kwargs) -> list[float]:
@@ -271,6 +283,7 @@ class TokenIdsRewardModel:
         rows = [torch.tensor(p + c, dtype=torch.long) for p, c in zip(prompt_ids, completion_ids, strict=True)]
         input_ids = pad(rows, self.pad_token_id, "right").to(device)
         attention_mask = pad([torch.ones_like(r) for r in rows], 0, "right").to(device)
+        check_ids_in_table(input_ids, attention_mask, self.rows, "A scored row", "the reward model's")
         model = self.model.module if hasattr(self.model, "module") else self.model
         backbone = getattr(model, model.base_model_prefix)
         hidden = backbone(

@@ -387,8 +387,8 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
 
     def _score(self, rows, prompts, completions, out: GenerationOutput) -> torch.Tensor:
         """`(N_global, num_funcs)` rewards gathered from every process; failures name the step and the batch.
-        Reward functions get TRL's arguments, plus `prompt_ids` (the prompt tokens of each row, for scorers that
-        read token ids); prompts given as token ids reach them decoded."""
+        Reward functions get TRL's arguments, plus `prompt_ids` (the prompt tokens of each row) unless the dataset
+        has a `prompt_ids` column of its own (see `RewardFunctions`); prompts given as token ids reach them decoded."""
         extra = {k: [row[k] for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
         prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(out.prompt_ids, out.prompt_mask, strict=True)]
         if prompts and isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], int):
@@ -404,7 +404,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
                 trainer_state=self.state,
                 log_metric=self.log_metric,
                 log_extra=self.completion_log.log_extra,
-                prompt_ids=prompt_ids,
+                prompt_token_ids=prompt_ids,
                 **({"environments": self._env.instances} if self._env is not None else {}),
             )
         except (RuntimeError, ValueError, TypeError) as e:

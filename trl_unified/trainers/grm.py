@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from datasets import IterableDataset
 
 from ..core.config import PolicyConfig, document_fields
+from ..core.token_ids import embedding_rows, mask_padding
 from ..core.trainer import PolicyTrainerBase
 from ..data.datasets import (
     dataset_columns,
@@ -207,7 +208,10 @@ class GRMTrainer(PolicyTrainerBase):
     # ------------------------------------------------------------------ loss
     def compute_policy_loss(self, model, inputs: SFTBatch, num_items_in_batch=None):
         labels = inputs.labels
-        outputs = model(**inputs.model_inputs())
+        model_inputs = inputs.model_inputs()
+        ids, mask = model_inputs["input_ids"], model_inputs["attention_mask"]
+        model_inputs["input_ids"] = mask_padding(ids, mask, embedding_rows(model))  # a pad beyond the table: 0
+        outputs = model(**model_inputs)
         logits, targets = outputs.logits[:, :-1, :], labels[:, 1:]  # (B, T-1, V), (B, T-1): position t predicts t+1
         nll = F.cross_entropy(
             logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100, reduction="sum"

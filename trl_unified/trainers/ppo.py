@@ -19,6 +19,7 @@ import torch
 
 from ..core.config import document_fields, option
 from ..core.models import get_tokenizer
+from ..generation.transformers_generate import batch_generation
 from ..online.completion_log import sample_generations
 from ..online.config import OnlineConfig
 from ..online.critic import (
@@ -26,6 +27,7 @@ from ..online.critic import (
     gae_advantages,
     kl_per_token,
     masked_mean,
+    masked_var,
     masked_whiten,
     rlhf_objective_metrics,
     score_positions,
@@ -34,6 +36,10 @@ from ..online.critic import (
 from ..online.rewards import TokenIdsRewardModel
 from ..online.rollout import RolloutBatch
 from ..online.trainer import OnlineTrainer
+
+
+# TRL 1.12's PPO module (`trl.experimental.ppo.ppo_trainer`) exports these too: its users import them from here
+__all__ = ["PPOConfig", "PPOTrainer", "batch_generation", "masked_mean", "masked_var", "masked_whiten"]
 
 
 @document_fields
