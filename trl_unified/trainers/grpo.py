@@ -44,6 +44,7 @@ from accelerate.utils import gather
 
 from ..core.config import document_fields, option
 from ..online.config import OnlineConfig
+from ..online.metrics import high_entropy_mask, off_policy_mask
 from ..online.rewards import nanstd
 from ..online.rollout import RolloutBatch
 from ..online.trainer import OnlineTrainer
@@ -252,23 +253,10 @@ class GRPOTrainer(OnlineTrainer):
 
     # ------------------------------------------------------------------ TRL's loss helpers (public on its trainer)
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
-        """TRL's helper: tokens whose entropy is at least the `threshold` quantile (`1 - top_entropy_quantile`) of all
-        processes' unmasked token entropies (Beyond the 80/20 Rule, arXiv:2506.01939). `(B, C)` bool."""
-        local = entropies[mask.bool()].float()
-        padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=-1e9)  # entropies are >= 0
-        values = self.accelerator.gather(padded)
-        values = values[values != -1e9]
-        if values.numel() == 0:
-            return torch.zeros_like(entropies, dtype=torch.bool)
-        return ((entropies * mask.float()) >= torch.quantile(values, threshold)) & mask.bool()
+        """TRL's helper (see `online/metrics.py`, `high_entropy_mask`)."""
+        return high_entropy_mask(self.accelerator, entropies, mask, threshold)
 
-    @staticmethod
-    def get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
-        """TRL's helper, DeepSeek-V3.2's off-policy sequence mask `(B, 1)`: drop (0) a sequence with A < 0 whose mean
-        KL(π_old ‖ π_θ) = mean_t (log π_old - log π_θ) over its tokens exceeds the threshold; keep (1) the rest."""
-        kl = torch.nan_to_num(sampling_per_token_logps - per_token_logps.detach(), nan=0.0)
-        mean_kl = (kl * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
-        return ((advantages >= 0) | (mean_kl <= off_policy_threshold)).to(mask.dtype)
+    get_off_policy_mask = staticmethod(off_policy_mask)  # TRL's helper (see `online/metrics.py`)
 
 
 @torch.no_grad()
