@@ -71,6 +71,7 @@ def generate_batched(
     continuous_batching=None,
     lean_decoding: bool = True,
     return_logprobs: bool = False,
+    vllm=None,
     *,
     options: GenerationOptions | None = None,
 ) -> GenerationOutput:
@@ -125,6 +126,10 @@ def generate_batched(
             Fill `GenerationOutput.logprobs` with each completion token's log-prob at the sampling temperature, read
             from the logits decoding computed (see `lean.lean_generate`); left None when any chunk was decoded by
             `model.generate`.
+        vllm (`VLLMEngine`, *optional*):
+            Generate with this vLLM engine (generation/vllm_engine.py, `use_vllm=True`) instead of the model: the
+            prompts are sent as token ids, a group of identical prompts once with `n` = its size; the sampled
+            tokens' log-probs come back (kept with `return_logprobs`). Text-only; `batch_size` does not apply.
         options (`GenerationOptions`, *optional*):
             Every keyword from `batch_size` to `return_logprobs` as one object; the keywords are then left unset.
 
@@ -153,6 +158,7 @@ def generate_batched(
             continuous_batching=continuous_batching,
             lean_decoding=lean_decoding,
             return_logprobs=return_logprobs,
+            vllm=vllm,
         ),
     )
     accelerator = options.accelerator
@@ -164,6 +170,11 @@ def generate_batched(
     else:
         eos_token_ids = get_eos_token_ids(unwrapped_for_config, tokenizer)
     device = accelerator.device if accelerator is not None else next(unwrapped_for_config.parameters()).device
+    if options.vllm is not None:
+        completions, logprobs = _generate_with_vllm(
+            unwrapped_for_config, encoded, generation_config, options, eos_token_ids
+        )
+        return build_output(encoded, completions, logprobs, tokenizer, eos_token_ids, options, False, device)
     with unwrap_for_generation(model, accelerator, options.gather_deepspeed3_params, generation_config) as unwrapped:
         is_encoder_decoder = getattr(unwrapped.config, "is_encoder_decoder", False)
         generation_config = with_decoder_start_token(unwrapped, generation_config)
@@ -176,6 +187,17 @@ def generate_batched(
                 unwrapped, encoded, generation_config, options, pad_token_id, device
             )
     return build_output(encoded, completions, logprobs, tokenizer, eos_token_ids, options, is_encoder_decoder, device)
+
+
+def _generate_with_vllm(model, encoded, generation_config, options: GenerationOptions, eos_token_ids):
+    """New tokens and their log-probs of every prompt from `options.vllm` (the weights are the engine's: the trainer
+    syncs them once per generation round before it calls)."""
+    if options.has_visual_inputs:
+        raise NotImplementedError(
+            "use_vllm=True generates text-only prompts here; rows with images or videos need use_vllm=False."
+        )
+    prompt_ids = [torch.as_tensor(e["input_ids"]).view(-1).tolist() for e in encoded]
+    return options.vllm.generate(prompt_ids, generation_config or model.generation_config, eos_token_ids)
 
 
 def _generate_in_chunks(model, encoded, generation_config, options: GenerationOptions, pad_token_id, device):

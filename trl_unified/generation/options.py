@@ -33,6 +33,7 @@ class GenerationOptions:
     continuous_batching: Any = None  # a transformers.ContinuousBatchingConfig
     lean_decoding: bool = True
     return_logprobs: bool = False
+    vllm: Any = None  # a generation.vllm_engine.VLLMEngine
 
     @property
     def has_visual_inputs(self) -> bool:

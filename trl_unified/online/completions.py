@@ -52,7 +52,8 @@ class CompletionsMixin:
             prompt_ids = self._tokenize_with_tools(prompts)
             completion_ids = self.generate(prompt_ids, **sampling).completion_ids_list
         else:
-            out = self.generate(prompts, images=images, return_logprobs=self.old_logps_from_sampling, **sampling)
+            logprobs = self.old_logps_from_sampling or self.vllm_engine is not None  # vLLM's: for its correction
+            out = self.generate(prompts, images=images, return_logprobs=logprobs, **sampling)
             conversational = is_conversational({"prompt": prompts[0]})
             completions = [[{"role": "assistant", "content": t}] for t in out.texts] if conversational else out.texts
             return SampledCompletions(out, completions, {})

@@ -13,7 +13,6 @@ from ..core.config import PolicyConfig
 
 logger = logging.getLogger(__name__)
 
-_VLLM = "vLLM generation is not implemented yet; trl_unified generates with transformers' generate."
 _VLLM_FIELDS = (
     "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
     "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
@@ -25,18 +24,10 @@ _VLLM_FIELDS = (
 class OnlineConfig(PolicyConfig):
     """Fields shared by `trl.RLOOConfig` and `trl.GRPOConfig` 1.16, same names and defaults, validated once."""
 
-    _unimplemented_fields = {"use_vllm": _VLLM}
     # Completions per prompt the algorithm needs at least (a group baseline needs 2; a learned critic needs 1).
     _min_num_generations: ClassVar[int] = 2
     # Fields that only matter with vLLM generation: set without it, TRL ignores them, and so do we (with a warning).
-    _vllm_only_fields: ClassVar[tuple[str, ...]] = (
-        *_VLLM_FIELDS[1:],
-        "vllm_importance_sampling_correction",
-        "vllm_importance_sampling_mode",
-        "vllm_importance_sampling_clip_max",
-        "vllm_importance_sampling_clip_min",
-        "vllm_importance_sampling_cap",
-    )
+    _vllm_only_fields: ClassVar[tuple[str, ...]] = _VLLM_FIELDS[1:]
 
     learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
     remove_unused_columns: bool | None = field(
@@ -65,26 +56,47 @@ class OnlineConfig(PolicyConfig):
         default=None,
         metadata={"help": "Micro-steps served by one generation round. None uses gradient_accumulation_steps."},
     )
-    use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM (not implemented: must stay False)."})
-    vllm_mode: str = field(default="colocate", metadata={"help": "vLLM mode (vLLM only: ignored)."})
-    vllm_model_impl: str = field(default="vllm", metadata={"help": "vLLM model implementation (vLLM only: ignored)."})
-    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "vLLM sleep mode (vLLM only: ignored)."})
-    vllm_structured_outputs_regex: str | None = field(
-        default=None, metadata={"help": "vLLM structured outputs (vLLM only: ignored)."}
+    use_vllm: bool = field(
+        default=False,
+        metadata={"help": "Generate with vLLM (docs/vllm.md): colocate or server mode, see vllm_mode."},
     )
-    vllm_server_base_url: str | None = field(default=None, metadata={"help": "vLLM server URL (vLLM only: ignored)."})
-    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host (vLLM only: ignored)."})
-    vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port (vLLM only: ignored)."})
-    vllm_server_timeout: float = field(default=240.0, metadata={"help": "vLLM server timeout (vLLM only: ignored)."})
-    vllm_group_port: int = field(default=51216, metadata={"help": "vLLM weight-update port (vLLM only: ignored)."})
+    vllm_mode: str = field(
+        default="colocate",
+        metadata={
+            "help": "'colocate': a vLLM engine in each training process; 'server': a separately started vLLM "
+            "server (VLLM_SERVER_DEV_MODE=1 vllm serve MODEL) at vllm_server_base_url or host:port."
+        },
+    )
+    vllm_model_impl: str = field(
+        default="vllm", metadata={"help": "vLLM's model implementation: 'vllm', 'transformers' or 'auto'."}
+    )
+    vllm_enable_sleep_mode: bool = field(
+        default=False, metadata={"help": "Free the colocated engine's memory between generations (CUDA only)."}
+    )
+    vllm_structured_outputs_regex: str | None = field(
+        default=None, metadata={"help": "Constrain completions to this regex (vLLM structured outputs)."}
+    )
+    vllm_server_base_url: str | None = field(
+        default=None, metadata={"help": "Server mode: base URL of the vLLM server; overrides host and port."}
+    )
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Server mode: host of the vLLM server."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "Server mode: port of the vLLM server."})
+    vllm_server_timeout: float = field(
+        default=240.0, metadata={"help": "Server mode: seconds to wait for the server to answer /health."}
+    )
+    vllm_group_port: int = field(
+        default=51216,
+        metadata={"help": "Port of TRL's NCCL weight-update group; unused here (must stay 51216, docs/vllm.md)."},
+    )
     vllm_gpu_memory_utilization: float = field(
-        default=0.3, metadata={"help": "vLLM memory share (vLLM only: ignored)."}
+        default=0.3,
+        metadata={"help": "Colocate: share of the device's memory the engine takes (on CPU: of host memory)."},
     )
     vllm_max_model_length: int | None = field(
-        default=None, metadata={"help": "vLLM context window (vLLM only: ignored)."}
+        default=None, metadata={"help": "Colocate: the engine's context length. None: the model config's."}
     )
     vllm_tensor_parallel_size: int = field(
-        default=1, metadata={"help": "vLLM tensor parallelism (vLLM only: ignored)."}
+        default=1, metadata={"help": "Colocate: training processes per tensor-parallel engine (divides the world)."}
     )
     beta: float = field(default=0.0, metadata={"help": "KL coefficient β. If 0.0, no reference model is loaded."})
     num_iterations: int = field(default=1, metadata={"help": "Optimisation passes over each generation batch (μ)."})
@@ -145,21 +157,6 @@ class OnlineConfig(PolicyConfig):
             "turn has no tool call or max_completion_length is spent."
         },
     )
-    vllm_importance_sampling_correction: bool = field(
-        default=True, metadata={"help": "vLLM importance-sampling correction (vLLM only: ignored)."}
-    )
-    vllm_importance_sampling_mode: str = field(
-        default="sequence_mask", metadata={"help": "vLLM importance-sampling mode (vLLM only: ignored)."}
-    )
-    vllm_importance_sampling_clip_max: float | None = field(
-        default=3.0, metadata={"help": "vLLM importance-sampling C_max (vLLM only: ignored)."}
-    )
-    vllm_importance_sampling_clip_min: float | None = field(
-        default=None, metadata={"help": "vLLM importance-sampling C_min (vLLM only: ignored)."}
-    )
-    vllm_importance_sampling_cap: float | None = field(
-        default=None, metadata={"help": "Deprecated vLLM importance-sampling cap (vLLM only: ignored)."}
-    )
 
     def __post_init__(self):
         if isinstance(self.transformers_continuous_batching_config, str):
@@ -192,8 +189,18 @@ class OnlineConfig(PolicyConfig):
         return f"`beta={self.beta}`"
 
     def _check_vllm_fields(self):
-        """vLLM generation is not implemented: `use_vllm=True` raises (above, `_unimplemented_fields`); the other
-        vLLM fields only matter with it, so setting them without it is ignored with a warning, as TRL ignores them."""
+        """With `use_vllm=True`: the mode, and vLLM installed for colocate mode (server mode needs only HTTP).
+        Without it the vLLM fields change nothing, so setting them is ignored with a warning, as TRL ignores them."""
+        if self.use_vllm:
+            if self.vllm_mode not in ("colocate", "server"):
+                raise ValueError(f"vllm_mode={self.vllm_mode!r} must be 'colocate' or 'server'.")
+            if self.use_transformers_continuous_batching:
+                raise ValueError("Set use_vllm or use_transformers_continuous_batching, not both.")
+            if self.vllm_mode == "colocate":
+                from ..generation.vllm_engine import require_vllm
+
+                require_vllm()
+            return
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         changed = [name for name in self._vllm_only_fields if getattr(self, name) != defaults[name]]
         if changed:

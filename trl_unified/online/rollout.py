@@ -36,6 +36,10 @@ class RolloutBatch(TensorBatch):
             (agent) completion; None when every completion token is the model's.
         values, returns (`(B, C)` or None): a critic's per-token values at sampling time and the return targets
             (PPO); None for critic-free algorithms.
+        sampling_logps (`(B, C)` or None): the generation engine's log-probs of the sampled tokens (vLLM), when
+            they are not the trainer's own π_old.
+        importance_sampling_ratio (`(B, 1)`, `(B, C)` or None): the vLLM correction of the loss
+            (`online/importance_sampling.py`); None without it.
     """
 
     prompt_ids: torch.Tensor
@@ -54,14 +58,20 @@ class RolloutBatch(TensorBatch):
     tool_mask: torch.Tensor | None = None
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    sampling_logps: torch.Tensor | None = None
+    importance_sampling_ratio: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.prompt_ids.size(0)
 
     @classmethod
-    def from_generation(cls, out, mask_truncated_completions: bool = False) -> "RolloutBatch":
+    def from_generation(
+        cls, out, mask_truncated_completions: bool = False, logprobs_are_old: bool = True
+    ) -> "RolloutBatch":
         """The batch of a `GenerationOutput`, before scoring (`rewards` / `row_index` are filled in by the rollout).
-        With `mask_truncated_completions`, a completion that hit the length limit without EOS is masked out whole."""
+        With `mask_truncated_completions`, a completion that hit the length limit without EOS is masked out whole.
+        The output's sampling log-probs are π_old when `logprobs_are_old` (the policy's own decoding logits), else
+        `sampling_logps` (another engine's, e.g. vLLM's)."""
         completion_mask = out.completion_mask
         if mask_truncated_completions:
             completion_mask = completion_mask * (~out.is_truncated).unsqueeze(1).long()
@@ -76,7 +86,8 @@ class RolloutBatch(TensorBatch):
             visual_inputs=out.visual_inputs,
             prompt_token_inputs=dict(out.prompt_token_inputs or {}),
             tool_mask=out.tool_mask,
-            old_logps=out.logprobs,
+            old_logps=out.logprobs if logprobs_are_old else None,
+            sampling_logps=None if logprobs_are_old else out.logprobs,
         )
 
     @property
@@ -131,6 +142,8 @@ class RolloutPlan:
 
     @classmethod
     def resolve(cls, rule: str, args, reference_available: bool) -> "RolloutPlan":
+        if getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False):
+            return cls(True, True)  # TRL: the correction compares π_old with vLLM's log-probs, in both modes
         if rule == "always":
             return cls(True, True)
         if rule == "trl":

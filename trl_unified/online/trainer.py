@@ -28,11 +28,13 @@ from ..core.reference import prepare_frozen_model
 from ..core.trainer import PolicyTrainerBase
 from ..data.datasets import get_images
 from ..generation import GenerationOutput
+from ..generation.vllm_engine import VLLMEngine
 from .agents import EMPTY_PROMPT, Environments, check_tool, check_tool_support, prepare_tool_template
 from .completion_log import CompletionLog
 from .completions import CompletionsMixin, row_value
 from .config import OnlineConfig
 from .datasets import OnlineDataMixin
+from .importance_sampling import importance_sampling_ratio, mismatch_metrics
 from .metrics import OnlineMetricsMixin
 from .rewards import EventLoopThread, RewardFunctions, is_async_callable
 from .rollout import RolloutBatch, RolloutPlan
@@ -126,6 +128,10 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         for i, reward_model in self.rewards.models():
             self.rewards.funcs[i] = prepare_frozen_model(reward_model.requires_grad_(False), self.accelerator)
         self._check_prompt_lengths()
+        # vLLM (use_vllm=True): one generation engine for training, evaluation and the tool loop (docs/vllm.md)
+        self.vllm_engine = (
+            VLLMEngine.from_args(self.args, self.model, self.accelerator) if self.args.use_vllm else None
+        )
         self.plan = RolloutPlan.resolve(self.old_logps, self.args, self.reference_model.available)
         self._step, self._buffer, self._rollout, self._step_time = 0, None, None, 0.0
         self.completion_log = CompletionLog(self.args.generation_batch_size)
@@ -232,7 +238,18 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
             "gather_deepspeed3_params": self.args.ds3_gather_for_generation,
             "pad_to_multiple_of": self.args.pad_to_multiple_of,
             "continuous_batching": self._continuous_batching_config(),
+            "vllm": self._synced_vllm_engine(),
         }
+
+    def _synced_vllm_engine(self) -> VLLMEngine | None:
+        """The vLLM engine holding this trainer's current weights: synced once per optimiser step (a generation
+        round, its evaluation and its tool-loop turns share one sync), on every process at once."""
+        if self.vllm_engine is None:
+            return None
+        self.vllm_engine.ensure_synced(
+            self.model_wrapped or self.model, self.accelerator, self, self.state.global_step
+        )
+        return self.vllm_engine
 
     def _continuous_batching_config(self):
         if not self.args.use_transformers_continuous_batching:
@@ -329,7 +346,8 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         prompts, images = self._rollout_prompts(rows)
         sampled = self._generate(prompts, images)
         out = sampled.generation
-        batch = RolloutBatch.from_generation(out, self.args.mask_truncated_completions)
+        from_policy = self.vllm_engine is None  # the lean loop's sampling log-probs are the policy's own: π_old
+        batch = RolloutBatch.from_generation(out, self.args.mask_truncated_completions, from_policy)
         batch.num_loss_tokens = self.accelerator.gather(batch.loss_mask.sum()).sum().item()
         self._log_generation_metrics(mode, out, sampled)
         self._rollout_logps(batch, mode)
@@ -384,6 +402,25 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
                 ).logps
             if self.reference_model.available:
                 batch.ref_logps = self.reference_logprobs(input_ids, attention_mask, width, batch_size=chunk, **extra)
+        if self.vllm_engine is not None and getattr(self.args, "vllm_importance_sampling_correction", False):
+            self._importance_sampling(batch)
+
+    def _importance_sampling(self, batch: RolloutBatch) -> None:
+        """vLLM's correction (`online/importance_sampling.py`) into `batch.importance_sampling_ratio`, and TRL's
+        `sampling/*` metrics over every process."""
+        a, mask = self.args, batch.loss_mask
+        if batch.sampling_logps is None:  # a tool loop or rollout_func: no engine log-probs, w = 1 (TRL's NaN rule)
+            batch.sampling_logps = torch.full_like(batch.old_logps, float("nan"))
+        mode = a.vllm_importance_sampling_mode
+        batch.importance_sampling_ratio = importance_sampling_ratio(
+            batch.old_logps, batch.sampling_logps, mask, mode, a.vllm_importance_sampling_clip_min,
+            a.vllm_importance_sampling_clip_max,
+        )  # fmt: skip
+        stats = mismatch_metrics(batch.old_logps, batch.sampling_logps, mask, batch.importance_sampling_ratio, mode)
+        for name, value in stats.items():
+            values = gather(value.reshape(1))
+            reduce = torch.max if name.endswith("max") else torch.min if name.endswith("min") else torch.mean
+            self.log_metric(name, reduce(values[~torch.isnan(values)]).item() if values.numel() else 0.0)
 
     def _score(self, rows, prompts, completions, out: GenerationOutput) -> torch.Tensor:
         """`(N_global, num_funcs)` rewards gathered from every process; failures name the step and the batch.

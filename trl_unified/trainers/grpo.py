@@ -37,6 +37,7 @@ minus `entropy_coef` times the mean token entropy / GA (adaptive as in Skywork-O
 
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ from accelerate.utils import gather
 
 from ..core.config import document_fields, option
 from ..online.config import OnlineConfig
+from ..online.importance_sampling import IS_MODES
 from ..online.metrics import high_entropy_mask, off_policy_mask
 from ..online.rewards import nanstd
 from ..online.rollout import RolloutBatch
@@ -87,15 +89,48 @@ class GRPOConfig(OnlineConfig):
     off_policy_mask_threshold: float | None = option(None, "Drop sequences with A < 0 and mean KL above this.")
     use_bias_correction_kl: bool = option(True, "Multiply the KL term by the ratio w.")
     log_completions_hub_repo: str | None = option(None, "Hub repo for completions (not implemented).")
+    vllm_importance_sampling_correction: bool = option(
+        True, "With use_vllm: correct the loss for the vLLM/trainer log-prob mismatch (online/importance_sampling.py)."
+    )
+    vllm_importance_sampling_mode: str = option(
+        "sequence_mask", f"The correction's level and rule: one of {', '.join(IS_MODES)}."
+    )
+    vllm_importance_sampling_clip_max: float | None = option(3.0, "Upper bound C_max of the ratio (None: none).")
+    vllm_importance_sampling_clip_min: float | None = option(None, "Lower bound C_min of the ratio (None: none).")
+    vllm_importance_sampling_cap: float | None = option(None, "Deprecated: vllm_importance_sampling_clip_max.")
+
+    _vllm_only_fields = (
+        *OnlineConfig._vllm_only_fields,
+        "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_mode",
+        "vllm_importance_sampling_clip_max",
+        "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_cap",
+    )
 
     def __post_init__(self):
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         super().__post_init__()
+        if self.vllm_importance_sampling_cap is not None:
+            warnings.warn(
+                "The `vllm_importance_sampling_cap` argument is deprecated and will be removed in v2.0.0. "
+                "Use `vllm_importance_sampling_clip_max` instead.",
+                FutureWarning,
+                stacklevel=2,
+            )
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low >= high:
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min ({low}) must be less than vllm_importance_sampling_clip_max "
+                f"({high})."
+            )
         for name, allowed in (
             ("loss_type", LOSS_TYPES),
             ("scale_rewards", ("group", "batch", "none")),
             ("importance_sampling_level", ("token", "sequence")),
             ("multi_objective_aggregation", ("sum_then_normalize", "normalize_then_sum")),
+            ("vllm_importance_sampling_mode", IS_MODES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}.")
@@ -171,7 +206,7 @@ class GRPOTrainer(OnlineTrainer):
             tau = torch.where(advantages > 0, a.sapo_temperature_pos, a.sapo_temperature_neg)
             per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
         elif a.loss_type == "vespo":
-            phi = _vespo_weights(advantages, log_ratio, mask, a)
+            phi = _vespo_weights(advantages, log_ratio, mask, a, inputs.importance_sampling_ratio)
             per_token_loss = -phi * advantages * logps
         else:
             clipped = torch.clamp(ratio, low, high)
@@ -183,6 +218,8 @@ class GRPOTrainer(OnlineTrainer):
             )
         if entropy_mask is not None:
             per_token_loss = per_token_loss * entropy_mask
+        if inputs.importance_sampling_ratio is not None and a.loss_type != "vespo":  # vLLM's correction
+            per_token_loss = per_token_loss * inputs.importance_sampling_ratio
         if a.beta != 0.0:
             diff = inputs.ref_logps - logps
             per_token_kl = torch.exp(diff) - diff - 1  # k3 estimator of KL(π_θ ‖ π_ref)
@@ -260,10 +297,15 @@ class GRPOTrainer(OnlineTrainer):
 
 
 @torch.no_grad()
-def _vespo_weights(advantages, log_ratio, mask, a) -> torch.Tensor:
-    """phi(W) = e^lambda W^k e^(-lambda W) in log space, W = clamp(exp(sum_t clamp(log w_t))); `(B, 1)`, detached."""
+def _vespo_weights(advantages, log_ratio, mask, a, is_ratio=None) -> torch.Tensor:
+    """phi(W) = e^lambda W^k e^(-lambda W) in log space, W = clamp(exp(sum_t clamp(log w_t))); `(B, 1)`, detached.
+    With vLLM's importance-sampling ratio r (online/importance_sampling.py), log W gains sum_t clamp(log r_t), as
+    TRL: log(pi_theta / pi_vllm) = log(pi_theta / pi_old) + log(pi_old / pi_vllm)."""
     floor = math.log(1e-8)
-    log_w = torch.clamp((torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True), floor, 20.0)
+    log_w = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if is_ratio is not None:
+        log_w = log_w + torch.clamp(torch.log(is_ratio), floor, 20.0).sum(-1, keepdim=True)
+    log_w = torch.clamp(log_w, floor, 20.0).detach()
     positive = advantages >= 0
     k = torch.where(positive, a.vespo_k_pos, a.vespo_k_neg)
     lam = torch.where(positive, a.vespo_lambda_pos, a.vespo_lambda_neg).clamp(min=1e-4)

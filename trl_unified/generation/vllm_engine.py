@@ -1,0 +1,518 @@
+"""The vLLM engine of `generate_batched` (`use_vllm=True`): colocate or server mode, weight sync, sampling log-probs.
+
+- **colocate** (`vllm_mode="colocate"`, TRL's default): one `vllm.LLM` in each training process (vLLM's
+  `external_launcher` executor, so it joins the training processes instead of starting its own), sharing its memory
+  budget (`vllm_gpu_memory_utilization`; on CPU the share of host memory). The engine starts from a copy of the
+  policy's config and weights written once to a temporary folder (so in-memory, PEFT and resized models work), and
+  engines with the same settings are reused within a process (the first generation of each trainer syncs its weights).
+- **server** (`vllm_mode="server"`): a separately started OpenAI-compatible vLLM server (`vllm serve MODEL` or
+  `python -m vllm.entrypoints.openai.api_server`) with `VLLM_SERVER_DEV_MODE=1`. The main process sends every
+  process's prompts in one `/v1/completions` request (token ids in, token ids and log-probs out) and broadcasts the
+  completions; weights travel as a safetensors folder the server reads (`reload_weights` through `/collective_rpc`),
+  so the server must see the trainer's `output_dir` (same machine or a shared file system). No NCCL, so it also runs
+  on CPU. The trainer process does not need vLLM installed in this mode.
+
+Prompts of a group (the G rows that repeat one prompt) are sent once with `n=G`. Log-probs are the sampled tokens'
+after temperature (`logprobs_mode="processed_logprobs"`, as TRL asks for), read by the importance-sampling correction
+(`online/importance_sampling.py`). Weights are synced by `sync_weights` once per generation round (the trainer calls
+it when its optimiser step changed), from full models, PEFT models (adapters merged, base names, unmerged again),
+DeepSpeed ZeRO-3 (gathered one parameter at a time) and FSDP.
+"""
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import socket
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from .options import eos_ids
+
+
+logger = logging.getLogger(__name__)
+
+VLLM_EXTRA = "pip install 'trl_unified[vllm]'"
+_ENGINES: dict[str, Any] = {}  # colocate engines of this process, by their settings (reused across trainers)
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require_vllm(what: str = "use_vllm=True with vllm_mode='colocate'") -> None:
+    """Raise a clear ImportError (naming the extra) when vLLM is not installed."""
+    if not vllm_available():
+        raise ImportError(f"{what} needs vLLM, which is not installed: {VLLM_EXTRA} (or `pip install vllm`).")
+
+
+# ---------------------------------------------------------------------------------------------------- weights
+def _vllm_name(name: str) -> str:
+    """A parameter name as the checkpoint (and vLLM's loader) spells it: wrapper prefixes removed (TRL's rule)."""
+    for prefix in ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.", "modules_to_save.default."):
+        name = name.replace(prefix, "")
+    return name
+
+
+def named_weights(model, accelerator=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(checkpoint name, full tensor)` for every weight of the policy, one at a time.
+
+    PEFT: the adapters are merged for the duration of the iteration, names lose `base_model.model.` and
+    `.base_layer`, and the adapter's own tensors are skipped. ZeRO-3: each parameter is gathered while it is yielded
+    (every process must iterate: gathering is collective). FSDP2: each DTensor's `full_tensor()`; FSDP1: the full
+    parameters summoned once. Buffers that are saved in checkpoints (e.g. a non-persistent rotary table is not) are
+    not needed by vLLM and are skipped."""
+    unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
+    unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
+    is_peft = hasattr(unwrapped, "merge_adapter") and hasattr(unwrapped, "peft_config")
+    with _full_parameters(unwrapped, accelerator, everything=is_peft):
+        merged = contextlib.nullcontext()
+        if is_peft:
+            merged = _merged_adapter(unwrapped)
+        with merged:
+            adapter_prefix = getattr(unwrapped, "prefix", "lora_") if is_peft else None
+            for name, param in unwrapped.named_parameters():
+                if is_peft:
+                    name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+                    if adapter_prefix in name or "original_module" in name:
+                        continue
+                with _one_full_parameter(param, accelerator, skip=is_peft):
+                    tensor = param.data
+                    if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor
+                        tensor = tensor.full_tensor()
+                    elif _zero3(accelerator):  # the gathered storage is released when the context exits
+                        tensor = tensor.clone()
+                    yield _vllm_name(name), tensor
+
+
+@contextlib.contextmanager
+def _merged_adapter(model):
+    model.merge_adapter()
+    try:
+        yield
+    finally:
+        model.unmerge_adapter()
+
+
+def _zero3(accelerator) -> bool:
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
+@contextlib.contextmanager
+def _full_parameters(model, accelerator, everything: bool):
+    """ZeRO-3 with PEFT: every parameter gathered at once (merging needs base and adapter together); FSDP1: the full
+    parameters summoned. Otherwise nothing (parameters are gathered one at a time)."""
+    if _zero3(accelerator) and everything:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            yield
+        return
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover
+        FSDP = None
+    wrapped = (getattr(accelerator, "_models", None) or [None])[0]
+    if FSDP is not None and isinstance(wrapped, FSDP):
+        with FSDP.summon_full_params(wrapped, writeback=False):
+            yield
+        return
+    yield
+
+
+@contextlib.contextmanager
+def _one_full_parameter(param, accelerator, skip: bool):
+    if _zero3(accelerator) and not skip:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param]):
+            yield
+        return
+    yield
+
+
+# ---------------------------------------------------------------------------------------------------- sampling
+def sampling_settings(generation_config: GenerationConfig, eos_token_ids: Sequence[int]) -> dict[str, Any]:
+    """vLLM's sampling parameters for a trainer's `GenerationConfig` (the same fields TRL passes): greedy when
+    `do_sample` is off (temperature 0), generation stopped at the EOS ids, the sampled tokens' log-probs returned."""
+    sample = bool(generation_config.do_sample)
+    settings = {
+        "temperature": float(generation_config.temperature or 1.0) if sample else 0.0,
+        "top_p": float(generation_config.top_p or 1.0) if sample else 1.0,
+        "top_k": int(generation_config.top_k or 0) if sample else 0,
+        "min_p": float(generation_config.min_p or 0.0) if sample else 0.0,
+        "repetition_penalty": float(generation_config.repetition_penalty or 1.0),
+        "max_tokens": int(generation_config.max_new_tokens),
+        "stop_token_ids": list(eos_token_ids) or list(eos_ids(generation_config)),
+        "logprobs": 0,  # the sampled token's log-prob only
+    }
+    if generation_config.num_beams not in (None, 1):
+        raise ValueError("use_vllm=True does not run beam search (num_beams > 1): vLLM samples or decodes greedily.")
+    return settings
+
+
+def group_runs(prompt_ids: Sequence[Sequence[int]]) -> list[tuple[list[int], int]]:
+    """Consecutive identical prompts as `(prompt, count)`: a group of G rows becomes one request with `n=G`."""
+    runs: list[tuple[list[int], int]] = []
+    for ids in prompt_ids:
+        ids = list(ids)
+        if runs and runs[-1][0] == ids:
+            runs[-1] = (ids, runs[-1][1] + 1)
+        else:
+            runs.append((ids, 1))
+    return runs
+
+
+class VLLMEngine:
+    """One of the two modes of the module docstring, behind the same three calls: `generate`, `sync_weights`,
+    `close`. Built by `VLLMEngine.from_args` (a trainer's `OnlineConfig`)."""
+
+    mode = "colocate"
+
+    def __init__(self, args, structured_outputs_regex: str | None = None, generation_kwargs: dict | None = None):
+        self.args = args
+        self.structured_outputs_regex = structured_outputs_regex
+        self.generation_kwargs = dict(generation_kwargs or {})
+        self.synced = None  # (owner, version) of the weights the engine holds
+
+    @staticmethod
+    def from_args(args, model, accelerator) -> "VLLMEngine":
+        check_vllm_settings(args, model, accelerator)
+        if args.vllm_mode == "server":
+            return VLLMServerEngine(args, accelerator)
+        return VLLMColocateEngine(args, model, accelerator)
+
+    def ensure_synced(self, model, accelerator, owner, version) -> None:
+        """Sync the policy's weights unless the engine already holds this `(owner, version)` of them."""
+        if self.synced != (id(owner), version):
+            start = time.perf_counter()
+            self.sync_weights(model, accelerator)
+            self.synced = (id(owner), version)
+            logger.debug(f"vLLM weights synced in {time.perf_counter() - start:.2f}s")
+
+    def sampling_settings(self, generation_config, eos_token_ids) -> dict[str, Any]:
+        settings = sampling_settings(generation_config, eos_token_ids)
+        settings.update(self.generation_kwargs)
+        return settings
+
+    def generate(
+        self, prompt_ids: list[list[int]], generation_config: GenerationConfig, eos_token_ids: Sequence[int]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """`(new tokens, their log-probs)` per prompt, in order."""
+        raise NotImplementedError
+
+    def sync_weights(self, model, accelerator) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def check_vllm_settings(args, model, accelerator) -> None:
+    """What cannot work, named before any engine starts (and before training)."""
+    if args.vllm_mode not in ("colocate", "server"):
+        raise ValueError(f"vllm_mode={args.vllm_mode!r} must be 'colocate' or 'server'.")
+    unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
+    config = getattr(unwrapped, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError("use_vllm=True needs a decoder-only policy; vLLM does not train-sync encoder-decoder models.")
+    if args.vllm_mode == "colocate":
+        require_vllm()
+        world = accelerator.num_processes if accelerator is not None else 1
+        tp = args.vllm_tensor_parallel_size
+        if tp < 1 or world % tp:
+            raise ValueError(
+                f"vllm_tensor_parallel_size={tp} must divide the number of training processes ({world}): in "
+                "colocate mode each tensor-parallel group is made of training processes."
+            )
+        _check_architecture(config, args.vllm_model_impl)
+        if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
+            raise ValueError("vllm_enable_sleep_mode=True needs a CUDA device (vLLM's sleep mode is CUDA-only).")
+    if args.vllm_group_port != 51216:
+        raise NotImplementedError(
+            f"vllm_group_port={args.vllm_group_port} is the port of TRL's NCCL weight-update group "
+            "(`trl vllm-serve`); "
+            "trl_unified's server mode syncs weights through the server's /collective_rpc and needs no such port. "
+            "Leave it at its default (51216)."
+        )
+
+
+def _check_architecture(config, model_impl: str) -> None:
+    if config is None or model_impl != "vllm":
+        return
+    from vllm import ModelRegistry
+
+    architectures = list(getattr(config, "architectures", None) or [])
+    supported = set(ModelRegistry.get_supported_archs())
+    if architectures and not any(a in supported for a in architectures):
+        raise ValueError(
+            f"vLLM has no implementation of {architectures} (vllm_model_impl='vllm'). Set "
+            "vllm_model_impl='transformers' to run the transformers implementation inside vLLM, or use_vllm=False."
+        )
+
+
+def _engine_dtype(model) -> str:
+    dtype = next(model.parameters()).dtype
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "auto")
+
+
+class VLLMColocateEngine(VLLMEngine):
+    mode = "colocate"
+
+    def __init__(self, args, model, accelerator):
+        super().__init__(args, args.vllm_structured_outputs_regex, _engine_generation_kwargs(args))
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
+        base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+        tp = args.vllm_tensor_parallel_size
+        self.tp_group = None
+        if tp > 1:
+            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
+                [list(range(i * tp, (i + 1) * tp)) for i in range(accelerator.num_processes // tp)]
+            )
+        settings = dict(
+            tensor_parallel_size=tp,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            max_model_len=args.vllm_max_model_length,
+            enable_sleep_mode=args.vllm_enable_sleep_mode,
+            model_impl=args.vllm_model_impl,
+            dtype=_engine_dtype(base),
+            seed=accelerator.process_index // tp,
+        )
+        key = json.dumps([base.config.to_diff_dict(), settings], sort_keys=True, default=str)
+        self.sleeping = False
+        if key in _ENGINES:
+            self.llm = _ENGINES[key]
+            return
+        folder = tempfile.mkdtemp(prefix="trl_unified-vllm-")
+        _write_checkpoint(folder, base.config, named_weights(model, accelerator), accelerator.is_main_process, True)
+        os.environ["RANK"] = str(accelerator.process_index)
+        os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
+        os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if accelerator.device.type == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU backend's own default is larger
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=folder,
+            skip_tokenizer_init=True,  # token ids in and out: the trainer's tokenizer does the text
+            distributed_executor_backend="external_launcher",
+            max_num_batched_tokens=4096,
+            logprobs_mode="processed_logprobs",  # after temperature, as the trainer's log-probs
+            generation_config="vllm",  # the checkpoint's sampling defaults never apply
+            enforce_eager=accelerator.device.type == "cpu",
+            **settings,
+        )
+        _ENGINES[key] = self.llm
+
+    def sync_weights(self, model, accelerator) -> None:
+        if self.args.vllm_enable_sleep_mode and self.sleeping:
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_iterator": named_weights(model, accelerator), "is_checkpoint_format": True},
+        )
+        self.llm.reset_prefix_cache()
+
+    def generate(self, prompt_ids, generation_config, eos_token_ids):
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+
+        settings = self.sampling_settings(generation_config, eos_token_ids)
+        if self.structured_outputs_regex is not None:
+            settings["structured_outputs"] = StructuredOutputsParams(regex=self.structured_outputs_regex)
+        elif isinstance(settings.get("structured_outputs"), dict):
+            settings["structured_outputs"] = StructuredOutputsParams(**settings["structured_outputs"])
+        local = len(prompt_ids)
+        if self.tp_group is not None:  # every rank of a tensor-parallel group generates the group's prompts
+            gathered = [None] * self.args.vllm_tensor_parallel_size
+            torch.distributed.all_gather_object(gathered, prompt_ids, group=self.tp_group)
+            prompt_ids = [p for part in gathered for p in part]
+        runs = group_runs(prompt_ids)
+        if self.args.vllm_enable_sleep_mode and self.sleeping:
+            self.llm.wake_up(tags=["kv_cache"])
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids, _ in runs],
+            sampling_params=[SamplingParams(n=n, detokenize=False, **settings) for _, n in runs],
+            use_tqdm=False,
+        )
+        if self.args.vllm_enable_sleep_mode:
+            self.llm.sleep(level=2)
+            self.sleeping = True
+        completions, logprobs = [], []
+        for output in outputs:
+            for sample in output.outputs:
+                completions.append(torch.tensor(list(sample.token_ids), dtype=torch.long))
+                logprobs.append(_sampled_logprobs(sample.logprobs, sample.token_ids))
+        if self.tp_group is not None:
+            rank = torch.distributed.get_rank(group=self.tp_group)
+            completions, logprobs = (x[rank * local : (rank + 1) * local] for x in (completions, logprobs))
+        return completions, logprobs
+
+
+def _sampled_logprobs(logprobs, token_ids) -> torch.Tensor:
+    """The sampled tokens' log-probs from vLLM's per-position dicts (NaN where vLLM gave none, as TRL)."""
+    if logprobs is None:
+        return torch.full((len(token_ids),), float("nan"))
+    return torch.tensor(
+        [float(step[t].logprob) if t in step else float("nan") for step, t in zip(logprobs, token_ids)],
+        dtype=torch.float32,
+    )
+
+
+def _engine_generation_kwargs(args) -> dict:
+    """`generation_kwargs` keys vLLM's SamplingParams knows (TRL passes them through); the others are transformers'
+    and were already applied to the `GenerationConfig` the settings are read from."""
+    kwargs = dict(args.generation_kwargs or {})
+    vllm_only = {"seed", "frequency_penalty", "presence_penalty", "min_tokens", "ignore_eos", "structured_outputs"}
+    return {k: v for k, v in kwargs.items() if k in vllm_only}
+
+
+def _write_checkpoint(folder, config, weights, write: bool, every_rank: bool = False) -> None:
+    """`config.json` and `model.safetensors` (the named weights) in `folder`. The weights are iterated on every
+    process (gathering may be collective); `write` says whether this process writes them."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, tensor in weights:
+        if write or every_rank:
+            tensors[name] = tensor.detach().to("cpu").contiguous().clone()
+    if write or every_rank:
+        os.makedirs(folder, exist_ok=True)
+        config.save_pretrained(folder)
+        tmp = os.path.join(folder, "model.safetensors.tmp")
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(folder, "model.safetensors"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMServerEngine(VLLMEngine):
+    """A running OpenAI-compatible vLLM server, reached at `vllm_server_base_url` or `http://host:port`."""
+
+    mode = "server"
+
+    def __init__(self, args, accelerator):
+        super().__init__(args, args.vllm_structured_outputs_regex, _engine_generation_kwargs(args))
+        self.accelerator = accelerator
+        self.base_url = (
+            args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        ).rstrip("/")
+        self.weights_dir = os.path.join(os.path.abspath(args.output_dir), "vllm-weights")
+        self.served_model = None
+        if accelerator.is_main_process:
+            self._wait_until_up(args.vllm_server_timeout)
+            self.served_model = self._request("GET", "/v1/models")["data"][0]["id"]
+
+    def _wait_until_up(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            if time.monotonic() >= deadline:
+                raise ConnectionError(
+                    f"The vLLM server at {self.base_url} did not answer /health within vllm_server_timeout="
+                    f"{timeout}s. Start it first, e.g. `VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --port "
+                    f"{self.args.vllm_server_port} --logprobs-mode processed_logprobs` (docs/vllm.md)."
+                )
+            time.sleep(1.0)
+
+    def _request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(
+            self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.args.vllm_server_timeout) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:500]
+            hint = ""
+            if e.code == 404 and path in ("/collective_rpc", "/reset_prefix_cache"):
+                hint = " Start the server with VLLM_SERVER_DEV_MODE=1: weight sync needs its /collective_rpc endpoint."
+            raise RuntimeError(f"vLLM server {method} {path} failed with HTTP {e.code}: {detail}.{hint}") from e
+        return json.loads(text) if text else None
+
+    def sync_weights(self, model, accelerator) -> None:
+        config = (accelerator.unwrap_model(model) if accelerator is not None else model).config
+        config = getattr(getattr(model, "get_base_model", lambda: model)(), "config", config)
+        _write_checkpoint(self.weights_dir, config, named_weights(model, accelerator), accelerator.is_main_process)
+        if accelerator.is_main_process:
+            self._request(
+                "POST",
+                "/collective_rpc",
+                {
+                    "method": "reload_weights",
+                    "kwargs": {"weights_path": self.weights_dir, "is_checkpoint_format": True},
+                },
+            )
+            self._request("POST", "/reset_prefix_cache")
+        accelerator.wait_for_everyone()
+
+    def generate(self, prompt_ids, generation_config, eos_token_ids):
+        from accelerate.utils import broadcast_object_list, gather_object
+
+        accelerator = self.accelerator
+        local = len(prompt_ids)
+        all_prompts = gather_object([list(p) for p in prompt_ids]) if accelerator.num_processes > 1 else prompt_ids
+        payload = [None]
+        if accelerator.is_main_process:
+            payload = [self._complete(all_prompts, generation_config, eos_token_ids)]
+        if accelerator.num_processes > 1:
+            broadcast_object_list(payload, from_process=0)
+        completions, logprobs = payload[0]
+        rank = accelerator.process_index
+        rows = slice(rank * local, (rank + 1) * local)
+        return (
+            [torch.tensor(c, dtype=torch.long) for c in completions[rows]],
+            [torch.tensor(lp, dtype=torch.float32) for lp in logprobs[rows]],
+        )
+
+    def _complete(self, prompt_ids, generation_config, eos_token_ids):
+        settings = self.sampling_settings(generation_config, eos_token_ids)
+        if self.structured_outputs_regex is not None:
+            settings["structured_outputs"] = {"regex": self.structured_outputs_regex}
+        completions, logprobs = [], []
+        # one request per group size (n is per request); a group is sent once with n = its size
+        runs = group_runs(prompt_ids)
+        start = 0
+        while start < len(runs):
+            end = start
+            while end < len(runs) and runs[end][1] == runs[start][1]:
+                end += 1
+            body = {
+                "model": self.served_model,
+                "prompt": [ids for ids, _ in runs[start:end]],
+                "n": runs[start][1],
+                "return_token_ids": True,
+                "skip_special_tokens": False,
+                **settings,
+            }
+            response = self._request("POST", "/v1/completions", body)
+            choices = sorted(response["choices"], key=lambda c: c["index"])
+            for choice in choices:
+                ids = list(choice["token_ids"])
+                completions.append(ids)
+                values = (choice.get("logprobs") or {}).get("token_logprobs") or [None] * len(ids)
+                logprobs.append([float("nan") if v is None else float(v) for v in values[: len(ids)]])
+            start = end
+        return completions, logprobs
