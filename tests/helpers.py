@@ -2,7 +2,7 @@
 
 from datasets import Dataset
 
-from trl_unified import RLOOConfig
+from trl_unified import GRPOConfig, RLOOConfig
 
 
 PROMPTS = ["a b c", "d e", "f g h i", "j k", "l", "m n o", "p q", "r s t u"]
@@ -43,6 +43,11 @@ def tiny_run_args(config_cls, output_dir, **overrides):
 def rloo_args(tmp_path, **overrides) -> RLOOConfig:
     defaults = dict(num_generations=2, max_completion_length=6)
     return tiny_run_args(RLOOConfig, tmp_path / "out", **{**defaults, **overrides})
+
+
+def grpo_args(tmp_path, **overrides) -> GRPOConfig:
+    defaults = dict(num_generations=2, max_completion_length=6)
+    return tiny_run_args(GRPOConfig, tmp_path / "grpo", **{**defaults, **overrides})
 
 
 def varied_reward(completions, **kwargs):

@@ -211,8 +211,9 @@ CASES = [
     (
         "use_vllm",
         lambda c: rloo_config(c, use_vllm=True),
-        NotImplementedError,
-        r"use_vllm=True is accepted for compatibility .* Leave it at its default \(False\)",
+        ImportError,
+        r"use_vllm=True with vllm_mode='colocate' needs vLLM, which is not installed: "
+        r"pip install 'trl_unified\[vllm\]'",
     ),
     (
         "grm_packing",

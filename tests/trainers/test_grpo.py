@@ -11,14 +11,9 @@ import torch
 import trl
 from datasets import IterableDataset
 
-from tests.helpers import count_a, prompt_dataset, tiny_run_args, varied_reward
+from tests.helpers import count_a, grpo_args, prompt_dataset, varied_reward
 from trl_unified import GRPOConfig, GRPOTrainer
 from trl_unified.testing import build_causal_lm
-
-
-def grpo_args(tmp_path, **overrides) -> GRPOConfig:
-    defaults = dict(num_generations=2, max_completion_length=6)
-    return tiny_run_args(GRPOConfig, tmp_path / "grpo", **{**defaults, **overrides})
 
 
 # ------------------------------------------------------------------ config and constructor parity
@@ -40,7 +35,7 @@ def test_constructor_takes_trl_arguments_in_trl_order():
     assert ours[: len(theirs)] == theirs, (ours, theirs)
 
 
-@pytest.mark.parametrize("field, value", [("log_completions_hub_repo", "me/logs"), ("use_vllm", True)])
+@pytest.mark.parametrize("field, value", [("log_completions_hub_repo", "me/logs")])
 def test_unimplemented_fields_raise_when_set(field, value, tmp_path):
     with pytest.raises(NotImplementedError, match=f"{field}={value!r} is accepted for compatibility"):
         grpo_args(tmp_path, **{field: value})

@@ -10,6 +10,7 @@ from datasets import Dataset, IterableDataset
 
 from tests.helpers import prompt_dataset, rloo_args, varied_reward
 from trl_unified import RLOOConfig, RLOOTrainer, rloo_advantages
+from trl_unified.generation.vllm_engine import vllm_available
 from trl_unified.trainers.rloo import nanstd
 
 
@@ -76,8 +77,10 @@ def test_config_fields_are_documented_once():
 
 
 # use_vllm, use_transformers_continuous_batching and the bad config values are cases of tests/test_bad_input.py.
-def test_use_vllm_raises_and_vllm_only_fields_are_ignored(tmp_path):
-    with pytest.raises(NotImplementedError, match="use_vllm=True is accepted for compatibility"):
+def test_use_vllm_without_vllm_names_the_extra_and_vllm_only_fields_are_ignored(tmp_path):
+    if vllm_available():
+        pytest.skip("vLLM is installed here (the vllm group covers use_vllm=True)")
+    with pytest.raises(ImportError, match=r"needs vLLM, which is not installed: pip install 'trl_unified\[vllm\]'"):
         RLOOConfig(output_dir=str(tmp_path), use_vllm=True)
     assert RLOOConfig(output_dir=str(tmp_path), vllm_mode="server").vllm_mode == "server"  # warned, no effect
 
