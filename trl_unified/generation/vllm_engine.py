@@ -41,6 +41,7 @@ from .options import eos_ids
 logger = logging.getLogger(__name__)
 
 VLLM_EXTRA = "pip install 'trl_unified[vllm]'"
+CRITIC_PREFIX = "value_model."  # the submodule PPO's critic is attached as (online/critic.attach_value_model)
 _ENGINES: dict[str, Any] = {}  # colocate engines of this process, by their settings (reused across trainers)
 
 
@@ -84,6 +85,8 @@ def named_weights(model, accelerator=None) -> Iterator[tuple[str, torch.Tensor]]
                     name = name.removeprefix("base_model.model.").replace(".base_layer", "")
                     if adapter_prefix in name or "original_module" in name:
                         continue
+                if name.startswith(CRITIC_PREFIX):  # PPO's critic rides on the policy (online/critic.py)
+                    continue
                 with _one_full_parameter(param, accelerator, skip=is_peft):
                     tensor = param.data
                     if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor
