@@ -24,6 +24,7 @@ from .online.sampler import RepeatSampler
 from .online.trainer import OnlineTrainer
 from .preference.data import PairedBatch, PairedCollator, SequenceBatch, UnpairedBatch, UnpairedCollator
 from .preference.trainer import PreferenceConfig, PreferenceTrainer
+from .trainers.distillation import DistillationConfig, DistillationTrainer
 from .trainers.dpo import DPOConfig, DPOTrainer
 from .trainers.grm import GRMConfig, GRMTrainer
 from .trainers.grpo import GRPOConfig, GRPOTrainer
@@ -36,6 +37,8 @@ __all__ = [
     "AnswerAccuracy",
     "DPOConfig",
     "DPOTrainer",
+    "DistillationConfig",
+    "DistillationTrainer",
     "GRMConfig",
     "GRMReward",
     "GRMTrainer",

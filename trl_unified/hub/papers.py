@@ -1,6 +1,16 @@
 """The papers behind each algorithm, cited once (docstrings and model cards read from here)."""
 
 PAPERS: dict[str, dict[str, str]] = {
+    "distillation": {
+        "title": "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes",
+        "id": "2306.13649",
+        "citation": """@inproceedings{agarwal2024on-policy,
+    title        = {{On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes}},
+    author       = {Rishabh Agarwal and Nino Vieillard and Yongchao Zhou and Piotr Stanczyk and Sabela Ramos Garea and Matthieu Geist and Olivier Bachem},
+    year         = 2024,
+    booktitle    = {The Twelfth International Conference on Learning Representations, {ICLR} 2024},
+}""",
+    },
     "rloo": {
         "title": "Back to Basics: Revisiting REINFORCE-Style Optimization for Learning from Human Feedback in LLMs",
         "id": "2402.14740",

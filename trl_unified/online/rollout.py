@@ -146,6 +146,8 @@ class RolloutPlan:
             return cls(True, True)  # TRL: the correction compares π_old with vLLM's log-probs, in both modes
         if rule == "always":
             return cls(True, True)
+        if rule == "never":  # no ratio in the loss (distillation)
+            return cls(False, False)
         if rule == "trl":
             window = args.steps_per_generation * args.num_iterations
             return cls(args.gradient_accumulation_steps % window != 0, False)
@@ -153,7 +155,7 @@ class RolloutPlan:
             aligned = args.num_iterations == 1 and args.steps_per_generation == args.gradient_accumulation_steps
             unchanged = aligned and (args.beta == 0.0 or args.steps_per_generation == 1)
             return cls(not unchanged, True, defer_advantages=unchanged and reference_available)
-        raise ValueError(f"Unknown old_logps rule {rule!r}: expected 'trl', 'always' or 'unless_unchanged'.")
+        raise ValueError(f"Unknown old_logps rule {rule!r}: expected 'trl', 'always', 'unless_unchanged' or 'never'.")
 
     def needs_old_logps(self, mode: str) -> bool:
         return self.old_logps_train if mode == "train" else self.old_logps_eval

@@ -59,7 +59,9 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
     - `old_logps_from_sampling`: read π_old from the logits the lean decode loop computed while sampling instead of
       a no-grad forward of the policy (PPO, as TRL's PPO reads `generate`'s scores);
     - `reshuffle_each_iteration`: each of the `num_iterations` passes over a rollout draws a new order of
-      micro-batches (PPO's epochs over shuffled mini-batches) rather than reusing the first pass's.
+      micro-batches (PPO's epochs over shuffled mini-batches) rather than reusing the first pass's;
+    - `scores_rewards = False`: no reward functions and no advantages (distillation), `batch_class`: the
+      `RolloutBatch` subclass a rollout builds.
     """
 
     config_class = OnlineConfig
@@ -67,6 +69,8 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
     old_logps = "trl"
     old_logps_from_sampling = False
     reshuffle_each_iteration = False
+    scores_rewards = True  # False: no reward functions, no advantages (distillation)
+    batch_class = RolloutBatch  # what a rollout returns (a subclass may add views of it)
     _entropy_bonus_enabled = False  # TRL's attribute: entropies keep their gradient when an entropy bonus is on
 
     def __init__(
@@ -118,15 +122,17 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
                 cast_lm_head_to_fp32(self.accelerator.unwrap_model(self.reference_model.model))
         self._setup_agents()
         reward_funcs, reward_processing_classes = self._reward_sources
-        self.rewards = RewardFunctions(
-            reward_funcs,
-            reward_processing_classes,
-            self.args.reward_weights,
-            self.args,
-            extra_funcs=self._env.reward_funcs if self._env is not None else (),
-        )
-        for i, reward_model in self.rewards.models():
-            self.rewards.funcs[i] = prepare_frozen_model(reward_model.requires_grad_(False), self.accelerator)
+        self.rewards = None
+        if self.scores_rewards:
+            self.rewards = RewardFunctions(
+                reward_funcs,
+                reward_processing_classes,
+                self.args.reward_weights,
+                self.args,
+                extra_funcs=self._env.reward_funcs if self._env is not None else (),
+            )
+            for i, reward_model in self.rewards.models():
+                self.rewards.funcs[i] = prepare_frozen_model(reward_model.requires_grad_(False), self.accelerator)
         self._check_prompt_lengths()
         # vLLM (use_vllm=True): one generation engine for training, evaluation and the tool loop (docs/vllm.md)
         self.vllm_engine = (
@@ -347,28 +353,26 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         sampled = self._generate(prompts, images)
         out = sampled.generation
         from_policy = self.vllm_engine is None  # the lean loop's sampling log-probs are the policy's own: π_old
-        batch = RolloutBatch.from_generation(out, self.args.mask_truncated_completions, from_policy)
+        batch = self.batch_class.from_generation(out, self.args.mask_truncated_completions, from_policy)
         batch.num_loss_tokens = self.accelerator.gather(batch.loss_mask.sum()).sum().item()
         self._log_generation_metrics(mode, out, sampled)
         self._rollout_logps(batch, mode)
         rows = [{**row, **{k: row_value(v, i) for k, v in sampled.extra_fields.items()}} for i, row in enumerate(rows)]
-        rewards_per_func = self._score(rows, prompts, sampled.completions, out)
-        rewards = self.rewards.combine(rewards_per_func)  # (N_global,)
         n, rank = len(rows), self.accelerator.process_index
-        local = slice(rank * n, (rank + 1) * n)
-        batch.rewards, batch.row_index = rewards[local], torch.arange(rank * n, (rank + 1) * n, device=rewards.device)
-        self._log_reward_metrics(rewards_per_func, rewards)
-        advantages = None
-        if not self.plan.defers_advantages(mode):
+        advantages, names = None, []
+        if self.rewards is not None:
+            rewards_per_func = self._score(rows, prompts, sampled.completions, out)
+            rewards, names = self.rewards.combine(rewards_per_func), self.rewards.names  # (N_global,)
+            self._log_reward_metrics(rewards_per_func, rewards)
+        else:  # a trainer without rewards (distillation: the teacher's distributions are the signal)
+            rewards_per_func = torch.zeros(n * self.accelerator.num_processes, 0, device=batch.prompt_ids.device)
+            rewards = rewards_per_func.sum(1)
+        batch.rewards = rewards[rank * n : (rank + 1) * n]
+        batch.row_index = torch.arange(rank * n, (rank + 1) * n, device=rewards.device)
+        if self.rewards is not None and not self.plan.defers_advantages(mode):
             advantages = self.assign_advantages(rewards, rewards_per_func, batch, mode)
         self.completion_log.add_round(
-            prompts,
-            sampled.completions,
-            images,
-            rewards_per_func,
-            self.rewards.names,
-            advantages,
-            self.args.log_multimodal,
+            prompts, sampled.completions, images, rewards_per_func, names, advantages, self.args.log_multimodal
         )
         return batch
 
@@ -468,7 +472,8 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
 
     def log(self, logs, start_time=None):
         if self.args.log_completions and self.accelerator.is_main_process:
-            self.completion_log.report(self.state.global_step, self.rewards.combine, self.args)
+            combine = self.rewards.combine if self.rewards is not None else (lambda r: r.sum(1))
+            self.completion_log.report(self.state.global_step, combine, self.args)
         super().log(logs, start_time)
 
 

@@ -1,0 +1,236 @@
+r"""On-policy distillation (GKD: Agarwal et al., 2024, "On-Policy Distillation of Language Models: Learning from
+Self-Generated Mistakes", arXiv:2306.13649): a drop-in for `trl.DistillationTrainer` 1.16 on the shared online core.
+
+The student generates a completion for each prompt (the online core: lean decoding, vLLM, tools), a frozen teacher
+scores every completion token with its full next-token distribution, and the loss pulls the student's distribution
+to the teacher's with the generalized Jensen-Shannon divergence D_beta of `core/divergence.py` (both logits divided
+by `temperature`; beta = 0: forward KL(teacher || student), beta = 1: reverse KL(student || teacher), the default).
+With M the model's completion tokens (tool-result tokens excluded) of the whole generation batch, all processes,
+
+    loss = sum_{i,t in M_micro-batch} D_beta(i, t) / (|M| / processes * GA / steps_per_generation)
+
+which sums to the mean over M across one optimiser step (TRL's normalisation; no further division by GA). D is
+computed from the final hidden states in chunks of positions (no `(positions, vocabulary)` tensor beyond one chunk,
+the student's chunk recomputed in the backward). Logged: TRL's completion metrics, `entropy` (the student's, over
+M), `step_time`.
+"""
+
+import json
+import types
+from dataclasses import dataclass
+
+import torch
+
+from ..core.config import document_fields, option
+from ..core.divergence import generalized_jsd_loss, logit_transform, reduce_divergence, token_divergence
+from ..core.models import load_model
+from ..core.reference import prepare_frozen_model
+from ..core.token_ids import embedding_rows, mask_padding
+from ..generation.unwrap import _deepspeed_zero3
+from ..online.config import OnlineConfig
+from ..online.rollout import RolloutBatch
+from ..online.trainer import OnlineTrainer
+
+
+# OnlineConfig's reinforcement-learning fields: distillation has no reward, ratio or clipping.
+_RL_ONLY = ("num_iterations", "epsilon", "epsilon_high", "reward_weights", "strict_rewards", "num_generations_eval")
+
+
+@document_fields
+@dataclass
+class DistillationConfig(OnlineConfig):
+    """Configuration of `DistillationTrainer`: every field of `trl.DistillationConfig` 1.16, same names and
+    defaults (the sampling, vLLM, tool and logging fields are the online core's)."""
+
+    _min_num_generations = 1
+
+    num_generations: int | None = option(1, "Completions sampled per prompt.")
+    beta: float = option(1.0, "Generalized JSD interpolation: 0 forward KL, 1 reverse KL, 0.5 symmetric JSD.")
+    teacher_model_name_or_path: str | None = option(None, "Teacher id or path, used when teacher_model is None.")
+    teacher_model_revision: str | None = option(None, "Hub revision of the teacher.")
+    teacher_model_init_kwargs: dict | str | None = option(None, "from_pretrained kwargs of a teacher given by id.")
+
+    def __post_init__(self):
+        if isinstance(self.teacher_model_init_kwargs, str):
+            self.teacher_model_init_kwargs = json.loads(self.teacher_model_init_kwargs)
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"beta must be in [0.0, 1.0], got {self.beta}.")
+        super().__post_init__()
+        defaults = {name: self.__dataclass_fields__[name].default for name in _RL_ONLY}
+        for name, default in defaults.items():
+            if getattr(self, name) != default:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} does not apply to distillation (no reward, ratio or clipping); "
+                    f"leave it at its default ({default!r})."
+                )
+
+    def uses_reference_model(self) -> bool:
+        return False  # `beta` here is the divergence's interpolation, not a KL coefficient; the teacher is separate
+
+    def _no_reference_reason(self) -> str:
+        return "distillation has no reference model (the teacher is `teacher_model`)"
+
+
+class DistillationBatch(RolloutBatch):
+    """A `RolloutBatch` that also answers TRL 1.10's keys: `input_ids` / `attention_mask` (prompt + completion),
+    `labels` (-100 outside the completion tokens the loss covers), `prompts` / `prompt_attention_mask`."""
+
+    _views = ("input_ids", "attention_mask", "labels", "prompts", "prompt_attention_mask")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._views or super().__contains__(name)
+
+    def __getitem__(self, name: str):
+        if name in ("input_ids", "attention_mask"):
+            return self.model_inputs()[0 if name == "input_ids" else 1]
+        if name == "labels":
+            completion = self.completion_ids.masked_fill(self.loss_mask == 0, -100)
+            return torch.cat([torch.full_like(self.prompt_ids, -100), completion], dim=1)
+        if name in ("prompts", "prompt_attention_mask"):
+            return self.prompt_ids if name == "prompts" else self.prompt_mask
+        return super().__getitem__(name)
+
+
+class DistillationTrainer(OnlineTrainer):
+    """On-policy distillation (see the module docstring). Same constructor as `trl.DistillationTrainer` 1.16."""
+
+    _name = "Distillation"
+    _tag_names = ["trl", "distillation", "trl_unified"]
+    config_class = DistillationConfig
+    batch_class = DistillationBatch
+    old_logps = "never"
+    scores_rewards = False
+    loss_is_scaled_for_ga = True
+    # TRL 1.10's static loss API (GKDTrainer's too): the loss below goes through `_reduce_divergence_loss`
+    generalized_jsd_loss = staticmethod(generalized_jsd_loss)
+    _reduce_divergence_loss = staticmethod(reduce_divergence)
+
+    def __init__(
+        self,
+        model,
+        teacher_model=None,
+        args: DistillationConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+    ):
+        self._teacher_source = teacher_model  # loaded and prepared in setup(), before training
+        super().__init__(
+            model,
+            None,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+            tools=tools,
+        )
+
+    @property
+    def temperature(self) -> float:
+        return self.args.temperature
+
+    def setup(self) -> None:
+        super().setup()
+        self.teacher_model = prepare_frozen_model(self._load_teacher(self._teacher_source), self.accelerator)
+        del self._teacher_source
+
+    def _load_teacher(self, teacher):
+        args = self.args
+        teacher = teacher if teacher is not None else args.teacher_model_name_or_path
+        if teacher is None:
+            raise ValueError(
+                "DistillationTrainer needs a teacher: pass teacher_model= (a model or an id / path) or set "
+                "args.teacher_model_name_or_path."
+            )
+        if isinstance(teacher, str):
+            kwargs = dict(args.teacher_model_init_kwargs or {})
+            if args.teacher_model_revision is not None:
+                kwargs.setdefault("revision", args.teacher_model_revision)
+            loading = types.SimpleNamespace(
+                model_init_kwargs=kwargs,
+                distributed_state=args.distributed_state,
+                trust_remote_code=args.trust_remote_code,
+            )
+            teacher = load_model(teacher, loading, what="teacher model")
+        elif args.teacher_model_init_kwargs is not None:
+            raise ValueError(
+                "You passed teacher_model_init_kwargs to the config, but your teacher_model is already instantiated."
+            )
+        student = self.accelerator.unwrap_model(self.model).config.get_text_config().vocab_size
+        vocabulary = teacher.config.get_text_config().vocab_size
+        if student != vocabulary:
+            raise ValueError(
+                f"The student model has vocab_size {student} but the teacher model has vocab_size {vocabulary}. "
+                "Distillation compares the teacher's full next-token distribution, which requires a shared "
+                "vocabulary. Use a teacher with the same vocab_size."
+            )
+        return teacher.requires_grad_(False)
+
+    # ------------------------------------------------------------------ the loss
+    def compute_policy_loss(self, model, inputs, num_items_in_batch=None):
+        get = inputs.get if isinstance(inputs, dict) else (lambda k, d=None: inputs[k] if k in inputs else d)
+        prompt_ids, prompt_mask = get("prompt_ids"), get("prompt_mask")
+        completion_ids, completion_mask = get("completion_ids"), get("completion_mask")
+        mask = completion_mask if get("tool_mask") is None else completion_mask * get("tool_mask")
+        if model.training and not isinstance(inputs, dict):  # the generation batch's count, one optimiser step's share
+            accumulation = self.current_gradient_accumulation_steps
+            num_items_in_batch = max(inputs.num_loss_tokens, 1.0) / self.accelerator.num_processes
+            num_items_in_batch = num_items_in_batch * accumulation / self.args.steps_per_generation
+        elif model.training and get("num_items_in_batch") is not None:
+            num_items_in_batch = get("num_items_in_batch").clamp(min=1.0) / self.accelerator.num_processes
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        divergence, entropy = self.token_divergence(model, input_ids, attention_mask, completion_ids.size(1))
+        loss = self._reduce_divergence_loss(divergence, completion_mask=mask, num_items_in_batch=num_items_in_batch)
+        self.log_metric("entropy", self.masked_global_mean(entropy, mask))
+        return loss
+
+    def token_divergence(self, model, input_ids, attention_mask, width: int):
+        """`(D, student entropy)` `(B, C)` for the last `width` tokens: both models' final hidden states, then
+        `core.divergence.token_divergence` in chunks. Under ZeRO-3 (LM heads sharded outside the forward) from
+        the models' logits instead."""
+        self.teacher_model.eval()
+        student = self.accelerator.unwrap_model(model)
+        teacher = self.accelerator.unwrap_model(self.teacher_model)
+        if _deepspeed_zero3(self.accelerator):
+            return self._divergence_from_logits(model, input_ids, attention_mask, width)
+        student_hidden = self._hidden(model, student, input_ids, attention_mask, width)
+        with torch.no_grad():
+            teacher_hidden = self._hidden(self.teacher_model, teacher, input_ids, attention_mask, width)
+        return token_divergence(
+            student_hidden, teacher_hidden, student.get_output_embeddings(), teacher.get_output_embeddings(),
+            self.args.beta, self.args.temperature, logit_transform(student), logit_transform(teacher),
+        )  # fmt: skip
+
+    def _hidden(self, model, unwrapped, input_ids, attention_mask, width):
+        input_ids = mask_padding(input_ids, attention_mask, embedding_rows(unwrapped))
+        with self.accelerator.autocast():
+            out = model(
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1,
+                use_cache=False,
+            )  # fmt: skip
+        return out.hidden_states[-1][:, -(width + 1) : -1]  # position i predicts completion token i
+
+    def _divergence_from_logits(self, model, input_ids, attention_mask, width):
+        def logits(m):
+            ids = mask_padding(input_ids, attention_mask, embedding_rows(self.accelerator.unwrap_model(m)))
+            return m(input_ids=ids, attention_mask=attention_mask, logits_to_keep=width + 1).logits[:, :-1]
+
+        student_logits = logits(model)
+        with torch.no_grad():
+            teacher_logits = logits(self.teacher_model)
+        terms = self.generalized_jsd_loss(student_logits, teacher_logits, beta=self.args.beta,
+                                          temperature=self.args.temperature, reduction="none")  # fmt: skip
+        with torch.no_grad():
+            log_probs = torch.log_softmax(student_logits.float() / self.args.temperature, dim=-1)
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+        return terms.sum(-1), entropy
