@@ -33,4 +33,5 @@ setup(
         "evaluate>=0.4",
     ],
     extras_require=EXTRAS,
+    entry_points={"console_scripts": ["trl-unified=trl_unified.cli:main"]},
 )

@@ -17,10 +17,8 @@ With arguments it is a TRL-style script (script args + GRPOConfig + ModelConfig,
     accelerate launch --config_file examples/accelerate_configs/deepspeed_zero3.yaml examples/grpo.py --config cfg.yaml
 """
 
-from online_example import main  # examples/ is on sys.path when this script runs
-
-from trl_unified import GRPOConfig, GRPOTrainer
+from trl_unified.scripts.grpo import main  # the script behind `trl-unified grpo` too
 
 
 if __name__ == "__main__":
-    main(GRPOTrainer, GRPOConfig)
+    main()

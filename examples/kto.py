@@ -16,10 +16,8 @@ With arguments it is a TRL-style script (script args + KTOConfig + ModelConfig, 
         --use_peft --lora_r 16 --output_dir Qwen2.5-0.5B-KTO --push_to_hub
 """
 
-from preference_example import main  # examples/ is on sys.path when this script runs
-
-from trl_unified import KTOConfig, KTOTrainer
+from trl_unified.scripts.kto import main  # the script behind `trl-unified kto` too
 
 
 if __name__ == "__main__":
-    main(KTOTrainer, KTOConfig)
+    main()

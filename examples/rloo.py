@@ -17,10 +17,8 @@ With arguments it is a TRL-style script (script args + RLOOConfig + ModelConfig,
     accelerate launch --config_file examples/accelerate_configs/deepspeed_zero3.yaml examples/rloo.py --config cfg.yaml
 """
 
-from online_example import main  # examples/ is on sys.path when this script runs
-
-from trl_unified import RLOOConfig, RLOOTrainer
+from trl_unified.scripts.rloo import main  # the script behind `trl-unified rloo` too
 
 
 if __name__ == "__main__":
-    main(RLOOTrainer, RLOOConfig)
+    main()

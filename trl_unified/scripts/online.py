@@ -1,6 +1,7 @@
 # Copyright 2026 The trl_unified authors. Licensed under the Apache License, Version 2.0.
-"""The script behind `examples/rloo.py` and `examples/grpo.py`: an offline demo with no arguments, a TRL-style
-script (script arguments + the trainer's config + `trl.ModelConfig`, or a YAML file via --config) otherwise."""
+"""The script behind `trl-unified rloo|grpo` and `examples/rloo.py` / `examples/grpo.py`: an offline demo with no
+arguments, a TRL-style script (script arguments + the trainer's config + `trl.ModelConfig`, or a YAML file via
+--config) otherwise."""
 
 import os
 import sys
@@ -67,15 +68,25 @@ DEMO_DEFAULTS = dict(
 )
 
 
+def is_demo(argv) -> bool:
+    """No model and no config on the command line: the offline demo."""
+    return "--model_name_or_path" not in " ".join(argv) and "--config" not in argv
+
+
+def make_parser(trainer_class, config_class, prog=None, argv=None):
+    """The script's `TrlParser` (script arguments, the trainer's config, `trl.ModelConfig`), with the demo's
+    defaults when `argv` (default: the command line) names no model and no config."""
+    parser = TrlParser((OnlineScriptArguments, config_class, ModelConfig), prog=prog)
+    if is_demo(sys.argv[1:] if argv is None else argv):
+        parser.set_defaults(**DEMO_DEFAULTS, output_dir=f"outputs/{trainer_class._name.lower()}-demo")
+    return parser
+
+
 def main(trainer_class, config_class):
     """Parse the command line (or run the offline demo: `DEMO_DEFAULTS`, output in outputs/<algo>-demo), train, save,
     plot, push."""
-    demo_defaults = {**DEMO_DEFAULTS, "output_dir": f"outputs/{trainer_class._name.lower()}-demo"}
-    demo = "--model_name_or_path" not in " ".join(sys.argv) and "--config" not in sys.argv
-    parser = TrlParser((OnlineScriptArguments, config_class, ModelConfig))
-    if demo:
-        parser.set_defaults(**demo_defaults)
-    script_args, training_args, model_args = parser.parse_args_and_config()
+    demo = is_demo(sys.argv[1:])
+    script_args, training_args, model_args = make_parser(trainer_class, config_class).parse_args_and_config()
 
     if demo:
         model, tokenizer, train_dataset, eval_dataset = demo_model_and_data(training_args)

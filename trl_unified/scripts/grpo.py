@@ -1,0 +1,19 @@
+# Copyright 2026 The trl_unified authors. Licensed under the Apache License, Version 2.0.
+"""`trl-unified grpo` and `examples/grpo.py`: the offline demo without arguments, a TRL-style script otherwise."""
+
+import sys
+
+from trl_unified import GRPOConfig, GRPOTrainer
+from trl_unified.scripts import online
+
+
+def make_parser(prog=None, argv=None):
+    return online.make_parser(GRPOTrainer, GRPOConfig, prog, argv)
+
+
+def main():
+    online.main(GRPOTrainer, GRPOConfig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
