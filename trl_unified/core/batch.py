@@ -30,7 +30,8 @@ def _move(value, device):
 @dataclasses.dataclass
 class TensorBatch:
     """A dataclass of per-row tensors (and lists / dicts of them, and nested batches), with what every stage needs:
-    `to(device)`, `select(rows)`, and read access by field name (`"labels" in batch`, `batch["labels"]`) so that
+    `to(device)`, `select(rows)`, and read access by field name (`"labels" in batch`, `batch["labels"]`, `keys()`,
+    `items()`, `get()`, as the dicts TRL's trainers pass around) so that
     `transformers.Trainer`'s own bookkeeping (e.g. counting loss tokens from `labels`) works on it.
 
     A field that is None is absent: `"x" in batch` is False. Subclasses document their fields and shapes.
@@ -55,6 +56,16 @@ class TensorBatch:
         if name not in self:
             raise KeyError(name)
         return getattr(self, name)
+
+    def keys(self) -> list[str]:
+        """The names `batch[name]` answers (fields that are not None), as a dict's keys."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None]
+
+    def items(self):
+        return [(name, self[name]) for name in self.keys()]
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self else default
 
 
 def scalar_field(default=None, default_factory=None):

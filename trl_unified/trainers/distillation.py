@@ -80,6 +80,9 @@ class DistillationBatch(RolloutBatch):
     def __contains__(self, name: str) -> bool:
         return name in self._views or super().__contains__(name)
 
+    def keys(self) -> list[str]:
+        return [*super().keys(), *self._views]
+
     def __getitem__(self, name: str):
         if name in ("input_ids", "attention_mask"):
             return self.model_inputs()[0 if name == "input_ids" else 1]
@@ -177,7 +180,7 @@ class DistillationTrainer(OnlineTrainer):
 
     # ------------------------------------------------------------------ the loss
     def compute_policy_loss(self, model, inputs, num_items_in_batch=None):
-        get = inputs.get if isinstance(inputs, dict) else (lambda k, d=None: inputs[k] if k in inputs else d)
+        get = inputs.get
         prompt_ids, prompt_mask = get("prompt_ids"), get("prompt_mask")
         completion_ids, completion_mask = get("completion_ids"), get("completion_mask")
         mask = completion_mask if get("tool_mask") is None else completion_mask * get("tool_mask")
