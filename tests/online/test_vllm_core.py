@@ -217,3 +217,17 @@ def test_tool_loop_turns_are_generated_by_the_engine(tmp_path, monkeypatch):
     assert [len(runs) for runs in engines[0].requests] == [1, 1]  # the group of 3 sent once, then the one continuation
     assert batch.tool_mask is not None and (batch.tool_mask == 0).any()
     torch.testing.assert_close(batch.importance_sampling_ratio, torch.ones_like(batch.importance_sampling_ratio))
+
+
+def test_vespo_needs_a_token_level_correction_and_unknown_generation_kwargs_are_named(tmp_path):
+    with pytest.raises(ValueError, match="VESPO loss requires `vllm_importance_sampling_mode`"):
+        grpo_args(tmp_path, use_vllm=True, vllm_mode="server", loss_type="vespo")
+    grpo_args(
+        tmp_path, use_vllm=True, vllm_mode="server", loss_type="vespo", vllm_importance_sampling_mode="token_mask"
+    )
+    from trl_unified.generation.vllm_engine import _engine_generation_kwargs
+
+    args = grpo_args(tmp_path, generation_kwargs={"stop": ["</answer>"], "seed": 3, "no_repeat_ngram_size": 2})
+    assert _engine_generation_kwargs(args) == {"stop": ["</answer>"], "seed": 3}  # the last is GenerationConfig's
+    with pytest.raises(ValueError, match=r"generation_kwargs \['frobnicate'\] are neither vLLM sampling parameters"):
+        _engine_generation_kwargs(grpo_args(tmp_path, generation_kwargs={"frobnicate": 1}))

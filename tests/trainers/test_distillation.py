@@ -212,3 +212,17 @@ def test_teacher_by_path_from_the_config(tokenizer, tmp_path, qwen2_path):
                                   processing_class=tokenizer)  # fmt: skip
     assert not any(p.requires_grad for p in trainer.teacher_model.parameters())
     trainer.train()
+
+
+def test_logit_scaling_of_the_models_that_have_it():
+    from types import SimpleNamespace
+
+    from trl_unified.core.divergence import logit_transform
+
+    def model(**config):
+        return SimpleNamespace(config=SimpleNamespace(**config))
+
+    assert logit_transform(model()) == (1.0, None)
+    assert logit_transform(model(logit_scale=0.0625)) == (0.0625, None)  # Cohere
+    assert logit_transform(model(logits_scaling=16.0)) == (1 / 16, None)  # Granite divides
+    assert logit_transform(model(lm_head_multiplier=0.5, final_logit_softcapping=30.0)) == (0.5, 30.0)

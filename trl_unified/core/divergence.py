@@ -75,8 +75,12 @@ def generalized_jsd_loss(
     return reduce_divergence(jsd, mask, reduction, num_items_in_batch)
 
 
-def _chunk(student_hidden, teacher_logits, head, beta, temperature, scale, softcap):
-    student_logits = _logits(head(student_hidden), scale, softcap) / temperature
+def _chunk(student_hidden, teacher_hidden, head, teacher_head, beta, temperature, transform, teacher_transform):
+    """D and the student's entropy for one chunk of positions. The teacher's logits are computed here (no grad), so
+    under `checkpoint` only the chunk's hidden states are saved, never its logits."""
+    with torch.no_grad():
+        teacher_logits = _logits(teacher_head(teacher_hidden), *teacher_transform) / temperature
+    student_logits = _logits(head(student_hidden), *transform) / temperature
     s = F.log_softmax(student_logits.float(), dim=-1)
     t = F.log_softmax(teacher_logits.float(), dim=-1)
     divergence = jsd_divergence(s, t, beta).sum(-1)
@@ -94,11 +98,19 @@ def _logits(logits, scale, softcap):
 
 
 def logit_transform(model) -> tuple[float, float | None]:
-    """`(scale, softcap)` a model applies to its LM head's output (Cohere's `logit_scale`, Gemma 2's
-    `final_logit_softcapping`), so that hidden states times the head give the model's own logits."""
+    """`(scale, softcap)` a model applies to its LM head's output, so that hidden states times the head give the
+    model's own logits: Cohere's `logit_scale`, Falcon-H1's `lm_head_multiplier`, `output_multiplier`, Granite's
+    division by `logits_scaling`, and Gemma 2's `final_logit_softcapping`."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    scale = getattr(config, "logit_scale", None) or 1.0
-    return float(scale), getattr(config, "final_logit_softcapping", None)
+    scale = 1.0
+    for name in ("logit_scale", "lm_head_multiplier", "output_multiplier"):
+        if getattr(config, name, None) is not None:
+            scale = float(getattr(config, name))
+            break
+    else:
+        if getattr(config, "logits_scaling", None) is not None:
+            scale = 1.0 / float(config.logits_scaling)
+    return scale, getattr(config, "final_logit_softcapping", None)
 
 
 def token_divergence(
@@ -113,8 +125,9 @@ def token_divergence(
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(D, student entropy)` per position, `(B, C)` each, from the final hidden states `(B, C, H)` of both models
-    and their LM heads. Positions are processed `chunk_size` at a time: the teacher's chunk of logits without grad,
-    the student's inside `checkpoint` (recomputed in the backward). The entropy carries no gradient."""
+    and their LM heads. Positions are processed `chunk_size` at a time inside `checkpoint`: only each chunk's hidden
+    states are saved, and both chunks of logits (the teacher's without grad) are recomputed in the backward. The
+    entropy carries no gradient."""
     batch, width = student_hidden.shape[:2]
     flat_student = student_hidden.reshape(batch * width, -1)
     flat_teacher = teacher_hidden.reshape(batch * width, -1)
@@ -123,16 +136,12 @@ def token_divergence(
     divergences, entropies = [], []
     for start in range(0, flat_student.size(0), chunk_size):
         rows = slice(start, start + chunk_size)
-        with torch.no_grad():
-            teacher_logits = _logits(teacher_head(flat_teacher[rows]), *teacher_transform) / temperature
+        arguments = (flat_student[rows], flat_teacher[rows], student_head, teacher_head, beta, temperature,
+                     tuple(student_transform), tuple(teacher_transform))  # fmt: skip
         if torch.is_grad_enabled() and flat_student.requires_grad:
-            divergence, entropy = checkpoint(
-                _chunk, flat_student[rows], teacher_logits, student_head, beta, temperature, *student_transform,
-                use_reentrant=False,
-            )  # fmt: skip
+            divergence, entropy = checkpoint(_chunk, *arguments, use_reentrant=False)
         else:
-            divergence, entropy = _chunk(flat_student[rows], teacher_logits, student_head, beta, temperature,
-                                         *student_transform)  # fmt: skip
+            divergence, entropy = _chunk(*arguments)
         divergences.append(divergence)
         entropies.append(entropy)
     return torch.cat(divergences).view(batch, width), torch.cat(entropies).view(batch, width)

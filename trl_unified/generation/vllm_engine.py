@@ -2,15 +2,16 @@
 
 - **colocate** (`vllm_mode="colocate"`, TRL's default): one `vllm.LLM` in each training process (vLLM's
   `external_launcher` executor, so it joins the training processes instead of starting its own), sharing its memory
-  budget (`vllm_gpu_memory_utilization`; on CPU the share of host memory). The engine starts from a copy of the
-  policy's config and weights written once to a temporary folder (so in-memory, PEFT and resized models work), and
-  engines with the same settings are reused within a process (the first generation of each trainer syncs its weights).
+  budget (`vllm_gpu_memory_utilization`; on CPU the share of host memory). The engine starts from the policy's
+  config alone with placeholder weights (`load_format="dummy"`; so in-memory, PEFT and resized models work, and no
+  copy of the model is written), and engines with the same settings are reused within a process: the first
+  generation of each trainer syncs its weights.
 - **server** (`vllm_mode="server"`): a separately started OpenAI-compatible vLLM server (`vllm serve MODEL` or
-  `python -m vllm.entrypoints.openai.api_server`) with `VLLM_SERVER_DEV_MODE=1`. The main process sends every
-  process's prompts in one `/v1/completions` request (token ids in, token ids and log-probs out) and broadcasts the
-  completions; weights travel as a safetensors folder the server reads (`reload_weights` through `/collective_rpc`),
-  so the server must see the trainer's `output_dir` (same machine or a shared file system). No NCCL, so it also runs
-  on CPU. The trainer process does not need vLLM installed in this mode.
+  `python -m vllm.entrypoints.openai.api_server`) with `VLLM_SERVER_DEV_MODE=1`. Each process sends its own prompts
+  (no collective), one `/v1/completions` request per group size: token ids in, token ids and log-probs out. The
+  main process syncs the weights as a safetensors folder the server reads (`reload_weights` through
+  `/collective_rpc`), so the server must see the trainer's `output_dir` (same machine or a shared file system). No
+  NCCL, so it also runs on CPU. The trainer process does not need vLLM installed in this mode.
 
 Prompts of a group (the G rows that repeat one prompt) are sent once with `n=G`. Log-probs are the sampled tokens'
 after temperature (`logprobs_mode="processed_logprobs"`, as TRL asks for), read by the importance-sampling correction
@@ -296,8 +297,9 @@ class VLLMColocateEngine(VLLMEngine):
         if key in _ENGINES:
             self.llm = _ENGINES[key]
             return
+        # The engine starts from the config alone, with placeholder weights: the first generation syncs the policy's
         folder = tempfile.mkdtemp(prefix="trl_unified-vllm-")
-        _write_checkpoint(folder, base.config, named_weights(model, accelerator), accelerator.is_main_process, True)
+        base.config.save_pretrained(folder)
         os.environ["RANK"] = str(accelerator.process_index)
         os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
         os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
@@ -310,6 +312,7 @@ class VLLMColocateEngine(VLLMEngine):
         self.llm = LLM(
             model=folder,
             skip_tokenizer_init=True,  # token ids in and out: the trainer's tokenizer does the text
+            load_format="dummy",
             distributed_executor_backend="external_launcher",
             max_num_batched_tokens=4096,
             logprobs_mode="processed_logprobs",  # after temperature, as the trainer's log-probs
@@ -322,6 +325,8 @@ class VLLMColocateEngine(VLLMEngine):
     def sync_weights(self, model, accelerator) -> None:
         if self.args.vllm_enable_sleep_mode and self.sleeping:
             self.llm.wake_up(tags=["weights"])
+            self.llm.wake_up(tags=["kv_cache"])
+            self.sleeping = False
         self.llm.collective_rpc(
             "reload_weights",
             kwargs={"weights_iterator": named_weights(model, accelerator), "is_checkpoint_format": True},
@@ -337,31 +342,29 @@ class VLLMColocateEngine(VLLMEngine):
             settings["structured_outputs"] = StructuredOutputsParams(regex=self.structured_outputs_regex)
         elif isinstance(settings.get("structured_outputs"), dict):
             settings["structured_outputs"] = StructuredOutputsParams(**settings["structured_outputs"])
-        local = len(prompt_ids)
+        rows = slice(0, len(prompt_ids))
         if self.tp_group is not None:  # every rank of a tensor-parallel group generates the group's prompts
             gathered = [None] * self.args.vllm_tensor_parallel_size
             torch.distributed.all_gather_object(gathered, prompt_ids, group=self.tp_group)
+            rank = torch.distributed.get_rank(group=self.tp_group)
+            start = sum(len(part) for part in gathered[:rank])  # ranks may hold different numbers of prompts
+            rows = slice(start, start + len(prompt_ids))
             prompt_ids = [p for part in gathered for p in part]
         runs = group_runs(prompt_ids)
-        if self.args.vllm_enable_sleep_mode and self.sleeping:
-            self.llm.wake_up(tags=["kv_cache"])
         outputs = self.llm.generate(
             [{"prompt_token_ids": ids} for ids, _ in runs],
             sampling_params=[SamplingParams(n=n, detokenize=False, **settings) for _, n in runs],
             use_tqdm=False,
         )
         if self.args.vllm_enable_sleep_mode:
-            self.llm.sleep(level=2)
-            self.sleeping = True
+            self.llm.sleep(level=2)  # frees the weights too: the next generation syncs them again
+            self.sleeping, self.synced = True, None
         completions, logprobs = [], []
         for output in outputs:
             for sample in output.outputs:
                 completions.append(torch.tensor(list(sample.token_ids), dtype=torch.long))
                 logprobs.append(_sampled_logprobs(sample.logprobs, sample.token_ids))
-        if self.tp_group is not None:
-            rank = torch.distributed.get_rank(group=self.tp_group)
-            completions, logprobs = (x[rank * local : (rank + 1) * local] for x in (completions, logprobs))
-        return completions, logprobs
+        return completions[rows], logprobs[rows]
 
 
 def _sampled_logprobs(logprobs, token_ids) -> torch.Tensor:
@@ -374,24 +377,39 @@ def _sampled_logprobs(logprobs, token_ids) -> torch.Tensor:
     )
 
 
+# vLLM sampling parameters a `generation_kwargs` entry may set (passed through, as TRL does); the sampling fields
+# both libraries share (temperature, top_p, ...) come from the GenerationConfig the kwargs already shaped.
+_VLLM_SAMPLING_KEYS = {
+    "seed", "frequency_penalty", "presence_penalty", "min_tokens", "ignore_eos", "structured_outputs", "stop",
+    "bad_words", "logit_bias", "include_stop_str_in_output", "allowed_token_ids", "skip_special_tokens",
+    "spaces_between_special_tokens", "truncate_prompt_tokens", "min_p", "top_k", "top_p", "temperature",
+    "repetition_penalty", "max_tokens", "n", "logprobs",
+}  # fmt: skip
+
+
 def _engine_generation_kwargs(args) -> dict:
-    """`generation_kwargs` keys vLLM's SamplingParams knows (TRL passes them through); the others are transformers'
-    and were already applied to the `GenerationConfig` the settings are read from."""
+    """`generation_kwargs` entries vLLM's sampling parameters know; any other key must be a `GenerationConfig`
+    attribute (applied to the config the settings are read from), else it is named in an error."""
     kwargs = dict(args.generation_kwargs or {})
-    vllm_only = {"seed", "frequency_penalty", "presence_penalty", "min_tokens", "ignore_eos", "structured_outputs"}
-    return {k: v for k, v in kwargs.items() if k in vllm_only}
+    unknown = [k for k in kwargs if k not in _VLLM_SAMPLING_KEYS and not hasattr(GenerationConfig(), k)]
+    if unknown:
+        raise ValueError(
+            f"generation_kwargs {unknown} are neither vLLM sampling parameters nor GenerationConfig fields: with "
+            "use_vllm=True they would have no effect."
+        )
+    return {k: v for k, v in kwargs.items() if k in _VLLM_SAMPLING_KEYS - {"n", "logprobs"}}
 
 
-def _write_checkpoint(folder, config, weights, write: bool, every_rank: bool = False) -> None:
+def _write_checkpoint(folder, config, weights, write: bool) -> None:
     """`config.json` and `model.safetensors` (the named weights) in `folder`. The weights are iterated on every
     process (gathering may be collective); `write` says whether this process writes them."""
     from safetensors.torch import save_file
 
     tensors = {}
     for name, tensor in weights:
-        if write or every_rank:
+        if write:
             tensors[name] = tensor.detach().to("cpu").contiguous().clone()
-    if write or every_rank:
+    if write:
         os.makedirs(folder, exist_ok=True)
         config.save_pretrained(folder)
         tmp = os.path.join(folder, "model.safetensors.tmp")
@@ -417,10 +435,24 @@ class VLLMServerEngine(VLLMEngine):
             args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         ).rstrip("/")
         self.weights_dir = os.path.join(os.path.abspath(args.output_dir), "vllm-weights")
-        self.served_model = None
+        self._wait_until_up(args.vllm_server_timeout)
+        self.served_model = self._request("GET", "/v1/models")["data"][0]["id"]
         if accelerator.is_main_process:
-            self._wait_until_up(args.vllm_server_timeout)
-            self.served_model = self._request("GET", "/v1/models")["data"][0]["id"]
+            self._check_logprobs_mode()
+
+    def _check_logprobs_mode(self) -> None:
+        """TRL's warning: log-probs before temperature (vLLM's default) bias the importance-sampling correction."""
+        try:
+            info = self._request("GET", "/server_info?config_format=json", timeout=10)
+            mode = str(info["vllm_config"]["model_config"]["logprobs_mode"])
+        except Exception:  # an older server without /server_info: nothing to check
+            return
+        if "processed_logprobs" not in mode:
+            logger.warning(
+                f"The vLLM server returns {mode} log-probs; start it with `--logprobs-mode processed_logprobs` so "
+                "that they are taken after temperature, as the trainer's (the importance-sampling correction reads "
+                "them)."
+            )
 
     def _wait_until_up(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -472,22 +504,14 @@ class VLLMServerEngine(VLLMEngine):
         accelerator.wait_for_everyone()
 
     def generate(self, prompt_ids, generation_config, eos_token_ids):
-        from accelerate.utils import broadcast_object_list, gather_object
-
-        accelerator = self.accelerator
-        local = len(prompt_ids)
-        all_prompts = gather_object([list(p) for p in prompt_ids]) if accelerator.num_processes > 1 else prompt_ids
-        payload = [None]
-        if accelerator.is_main_process:
-            payload = [self._complete(all_prompts, generation_config, eos_token_ids)]
-        if accelerator.num_processes > 1:
-            broadcast_object_list(payload, from_process=0)
-        completions, logprobs = payload[0]
-        rank = accelerator.process_index
-        rows = slice(rank * local, (rank + 1) * local)
+        """Each process sends its own prompts (the server batches concurrent requests): no collective, so processes
+        may hold different numbers of prompts (evaluation shards, the tool loop's remaining rows)."""
+        if not prompt_ids:
+            return [], []
+        completions, logprobs = self._complete([list(p) for p in prompt_ids], generation_config, eos_token_ids)
         return (
-            [torch.tensor(c, dtype=torch.long) for c in completions[rows]],
-            [torch.tensor(lp, dtype=torch.float32) for lp in logprobs[rows]],
+            [torch.tensor(c, dtype=torch.long) for c in completions],
+            [torch.tensor(lp, dtype=torch.float32) for lp in logprobs],
         )
 
     def _complete(self, prompt_ids, generation_config, eos_token_ids):

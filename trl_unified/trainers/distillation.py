@@ -15,6 +15,7 @@ the student's chunk recomputed in the backward). Logged: TRL's completion metric
 M), `step_time`.
 """
 
+import inspect
 import json
 import types
 from dataclasses import dataclass
@@ -199,12 +200,13 @@ class DistillationTrainer(OnlineTrainer):
 
     def token_divergence(self, model, input_ids, attention_mask, width: int):
         """`(D, student entropy)` `(B, C)` for the last `width` tokens: both models' final hidden states, then
-        `core.divergence.token_divergence` in chunks. Under ZeRO-3 (LM heads sharded outside the forward) from
-        the models' logits instead."""
+        `core.divergence.token_divergence` in chunks. Under ZeRO-3 or FSDP (LM heads sharded outside the forward)
+        from the models' logits instead."""
         self.teacher_model.eval()
         student = self.accelerator.unwrap_model(model)
         teacher = self.accelerator.unwrap_model(self.teacher_model)
-        if _deepspeed_zero3(self.accelerator):
+        fsdp = getattr(self.accelerator.state, "fsdp_plugin", None) is not None
+        if _deepspeed_zero3(self.accelerator) or fsdp:
             return self._divergence_from_logits(model, input_ids, attention_mask, width)
         student_hidden = self._hidden(model, student, input_ids, attention_mask, width)
         with torch.no_grad():
@@ -216,11 +218,12 @@ class DistillationTrainer(OnlineTrainer):
 
     def _hidden(self, model, unwrapped, input_ids, attention_mask, width):
         input_ids = mask_padding(input_ids, attention_mask, embedding_rows(unwrapped))
+        base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
         with self.accelerator.autocast():
             out = model(
-                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1,
-                use_cache=False,
-            )  # fmt: skip
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False, **keep
+            )
         return out.hidden_states[-1][:, -(width + 1) : -1]  # position i predicts completion token i
 
     def _divergence_from_logits(self, model, input_ids, attention_mask, width):

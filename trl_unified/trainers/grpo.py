@@ -134,6 +134,14 @@ class GRPOConfig(OnlineConfig):
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}.")
+        if (
+            self.loss_type == "vespo" and self.use_vllm and self.vllm_importance_sampling_correction
+            and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
+        ):  # fmt: skip
+            raise ValueError(
+                "VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. "
+                f"Got: {self.vllm_importance_sampling_mode}."
+            )
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1].")
 
@@ -212,9 +220,10 @@ class GRPOTrainer(OnlineTrainer):
             clipped = torch.clamp(ratio, low, high)
             ratio = torch.clamp(ratio, max=a.delta) if a.delta is not None else ratio  # two-sided: cap w itself
             per_token_loss = -torch.min(ratio * advantages, clipped * advantages)
-        if a.off_policy_mask_threshold is not None:
+        if a.off_policy_mask_threshold is not None:  # with vLLM, against its sampling log-probs (TRL)
+            behaviour = inputs.sampling_logps if inputs.sampling_logps is not None else old
             per_token_loss = per_token_loss * self.get_off_policy_mask(
-                advantages, logps, old, mask, a.off_policy_mask_threshold
+                advantages, logps, behaviour, mask, a.off_policy_mask_threshold
             )
         if entropy_mask is not None:
             per_token_loss = per_token_loss * entropy_mask
