@@ -37,6 +37,7 @@ import torch
 from transformers import GenerationConfig
 
 from .options import eos_ids
+from .unwrap import _deepspeed_zero3
 
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def named_weights(model, accelerator=None) -> Iterator[tuple[str, torch.Tensor]]
                     tensor = param.data
                     if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor
                         tensor = tensor.full_tensor()
-                    elif _zero3(accelerator):  # the gathered storage is released when the context exits
+                    elif _deepspeed_zero3(accelerator):  # the gathered storage is released when the context exits
                         tensor = tensor.clone()
                     yield _vllm_name(name), tensor
 
@@ -106,16 +107,11 @@ def _merged_adapter(model):
         model.unmerge_adapter()
 
 
-def _zero3(accelerator) -> bool:
-    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
-    return plugin is not None and plugin.zero_stage == 3
-
-
 @contextlib.contextmanager
 def _full_parameters(model, accelerator, everything: bool):
     """ZeRO-3 with PEFT: every parameter gathered at once (merging needs base and adapter together); FSDP1: the full
     parameters summoned. Otherwise nothing (parameters are gathered one at a time)."""
-    if _zero3(accelerator) and everything:
+    if _deepspeed_zero3(accelerator) and everything:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(model.parameters())):
@@ -135,7 +131,7 @@ def _full_parameters(model, accelerator, everything: bool):
 
 @contextlib.contextmanager
 def _one_full_parameter(param, accelerator, skip: bool):
-    if _zero3(accelerator) and not skip:
+    if _deepspeed_zero3(accelerator) and not skip:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters([param]):
