@@ -66,3 +66,132 @@ def test_gradients_flow_through_logprobs(qwen2_model, tokenizer):
     assert grads.keys() == expected.keys() and grads["lm_head.weight"].abs().sum() > 0
     for name, grad in expected.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------- log-probs from hidden states (core/lm_head.py)
+def _grads(model):
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _both_paths(model, ids, mask, keep, loss_fn, **options):
+    """`(hidden-state path, logits path)`: each path's TokenLogprobs and the gradients of `loss_fn(out)`."""
+    results = []
+    for from_hidden in (True, False):
+        out = compute_token_logprobs(model, ids, mask, keep, from_hidden_states=from_hidden, **options)
+        loss_fn(out).backward()
+        results.append((out, _grads(model)))
+    return results
+
+
+def _assert_same(hidden_path, logits_path):
+    (ours, our_grads), (theirs, their_grads) = hidden_path, logits_path
+    torch.testing.assert_close(ours.logps, theirs.logps, rtol=1e-5, atol=1e-5)
+    if theirs.entropy is not None:
+        torch.testing.assert_close(ours.entropy, theirs.entropy, rtol=1e-5, atol=1e-5)
+    assert our_grads and our_grads.keys() == their_grads.keys()
+    for name, grad in their_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_hidden_state_path_equals_logits_path_in_values_and_gradients(qwen2_model, tokenizer, temperature, monkeypatch):
+    """Chunks of 3 positions (several per row, across rows), a weighted loss with an entropy bonus under grad."""
+    monkeypatch.setattr("trl_unified.core.lm_head._CHUNK_ELEMENTS", 3 * qwen2_model.config.vocab_size)
+    ids, mask = batch(tokenizer)
+    weights = torch.tensor([[0.5, -1.0, 2.0, 0.0, 1.5], [1.0, 0.25, -0.75, 3.0, -2.0]])
+    loss = lambda out: (out.logps * weights).sum() - 0.1 * out.entropy.sum()  # noqa: E731
+    options = dict(temperature=temperature, compute_entropy=True, entropy_requires_grad=True)
+    ours, theirs = _both_paths(qwen2_model, ids, mask, 5, loss, **options)
+    _assert_same(ours, theirs)
+    assert ours[1]["lm_head.weight"].abs().sum() > 0
+
+
+def test_hidden_state_path_entropy_without_grad_and_stats(qwen2_model, tokenizer, monkeypatch):
+    """Entropies for logging carry no gradient; per-token statistics (the preference trainers') come out per
+    position as from the full logits, whatever the chunking."""
+    from trl_unified.preference.trainer import preference_token_stats
+
+    monkeypatch.setattr("trl_unified.core.lm_head._CHUNK_ELEMENTS", 4 * qwen2_model.config.vocab_size)
+    ids, mask = batch(tokenizer)
+    options = dict(compute_entropy=True, logits_stats=preference_token_stats(with_sum_sq_probs=True))
+    ours, theirs = _both_paths(qwen2_model, ids, mask, 7, lambda out: out.logps.sum(), **options)
+    _assert_same(ours, theirs)
+    assert not ours[0].entropy.requires_grad
+    logits = qwen2_model(input_ids=ids, attention_mask=mask).logits[:, -8:-1].detach()
+    expected_mean = logits.mean(-1)
+    torch.testing.assert_close(ours[0].stats["mean_logits"], expected_mean, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours[0].stats["is_top1"], logits.argmax(-1) == ids[:, -7:])
+    for name in ("mean_logits", "is_top1", "log_sum_sq_probs"):
+        torch.testing.assert_close(ours[0].stats[name], theirs[0].stats[name], rtol=1e-5, atol=1e-5)
+
+
+def test_hidden_state_path_never_builds_full_vocabulary_logits(qwen2_model, tokenizer, monkeypatch):
+    """The model projects one position; the head sees at most one chunk of positions at a time, forward and
+    backward."""
+    monkeypatch.setattr("trl_unified.core.lm_head._CHUNK_ELEMENTS", 2 * qwen2_model.config.vocab_size)
+    widths = []
+    qwen2_model.lm_head.register_forward_hook(lambda module, args, output: widths.append(output.shape[:-1].numel()))
+    ids, mask = batch(tokenizer)
+    compute_token_logprobs(qwen2_model, ids, mask, 6).logps.sum().backward()
+    assert widths[:2] == [2, 2]  # the model's own forward (one position per row), then the first-use check
+    assert max(widths) == 2 and len(widths) == 2 + 6 + 6  # 12 positions in chunks of 2, then recomputed
+
+
+def test_hidden_state_path_with_shared_prefix_rows_and_peft(tokenizer):
+    """The same numbers through the shared-prompt forward, row batches, and a LoRA model (its reference: the
+    adapter disabled)."""
+    from peft import LoraConfig, get_peft_model
+
+    from trl_unified.testing import build_causal_lm
+
+    model = get_peft_model(build_causal_lm(tokenizer), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for _, module in model.named_modules():  # LoRA B starts at 0: move it so the adapter changes the logits
+        if hasattr(module, "lora_B"):
+            torch.nn.init.normal_(module.lora_B["default"].weight, std=0.5)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8], [3, 4, 5, 9, 10, 11], [0, 12, 13, 14, 15, 16]])
+    mask = torch.tensor([[1] * 6, [1] * 6, [0, 1, 1, 1, 1, 1]])
+    for options in (dict(shared_prefix=True), dict(batch_size=2)):
+        ours, theirs = _both_paths(model, ids, mask, 3, lambda out: out.logps.sum(), **options)
+        _assert_same(ours, theirs)
+    with model.disable_adapter(), torch.no_grad():
+        ref = compute_token_logprobs(model, ids, mask, 3).logps
+        ref_logits = compute_token_logprobs(model, ids, mask, 3, from_hidden_states=False).logps
+    torch.testing.assert_close(ref, ref_logits, rtol=1e-5, atol=1e-5)
+    assert (ref - ours[0].logps).abs().max() > 1e-3  # the adapter mattered
+
+
+def test_hidden_state_path_applies_the_models_logit_transform(tokenizer):
+    """Gemma 2 soft-caps its logits (`final_logit_softcapping`): the chunked head does too."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=3.0,
+                          pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    model = Gemma2ForCausalLM(config)
+    ids, mask = batch(tokenizer)
+    ours, theirs = _both_paths(model, ids, mask, 4, lambda out: out.logps.sum())
+    _assert_same(ours, theirs)
+
+
+def test_hidden_state_path_falls_back_where_the_head_does_not_give_the_logits(qwen2_model, tokenizer, caplog):
+    """A model whose logits are not its head on its decoder output (here: a forward that shifts them) is detected
+    on its first forward and scored from its own logits, with one log line."""
+    import logging
+
+    original = type(qwen2_model).forward
+
+    def shifted(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        out.logits = out.logits + torch.arange(out.logits.size(-1), dtype=out.logits.dtype) * 0.01
+        return out
+
+    qwen2_model.forward = shifted.__get__(qwen2_model)
+    ids, mask = batch(tokenizer)
+    with caplog.at_level(logging.INFO):
+        out = compute_token_logprobs(qwen2_model, ids, mask, 3).logps
+    expected = compute_token_logprobs(qwen2_model, ids, mask, 3, from_hidden_states=False).logps
+    torch.testing.assert_close(out, expected)
+    assert "does not give its logits" in caplog.text

@@ -217,7 +217,7 @@ def test_teacher_by_path_from_the_config(tokenizer, tmp_path, qwen2_path):
 def test_logit_scaling_of_the_models_that_have_it():
     from types import SimpleNamespace
 
-    from trl_unified.core.divergence import logit_transform
+    from trl_unified.core.lm_head import logit_transform
 
     def model(**config):
         return SimpleNamespace(config=SimpleNamespace(**config))

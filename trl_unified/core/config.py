@@ -213,6 +213,18 @@ class PolicyConfig(TrainingArguments):
         },
     )
 
+    chunked_lm_head: bool = field(
+        default=True,
+        metadata={
+            "help": "trl_unified only. Per-token log-probs (and entropies) from the final hidden states through the "
+            "LM head in chunks of positions, each chunk's logits recomputed in the backward (core/lm_head.py): no "
+            "(batch, positions, vocabulary) tensor in the forward or the backward, in every policy, reference, "
+            "old-log-prob and preference pass. The same numbers to float rounding. Falls back to the model's logits "
+            "(one log line) where the head is sharded outside the forward (ZeRO-3, FSDP) or does not reproduce them. "
+            "False: always the model's logits."
+        },
+    )
+
     lean_decoding: bool = field(
         default=True,
         metadata={

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .lm_head import apply_logit_transform
+
 
 # Positions per chunk: one chunk's float32 logits stay under this many elements (x 2 models, x a few temporaries).
 _CHUNK_ELEMENTS = 2**24
@@ -79,38 +81,14 @@ def _chunk(student_hidden, teacher_hidden, head, teacher_head, beta, temperature
     """D and the student's entropy for one chunk of positions. The teacher's logits are computed here (no grad), so
     under `checkpoint` only the chunk's hidden states are saved, never its logits."""
     with torch.no_grad():
-        teacher_logits = _logits(teacher_head(teacher_hidden), *teacher_transform) / temperature
-    student_logits = _logits(head(student_hidden), *transform) / temperature
+        teacher_logits = apply_logit_transform(teacher_head(teacher_hidden), *teacher_transform) / temperature
+    student_logits = apply_logit_transform(head(student_hidden), *transform) / temperature
     s = F.log_softmax(student_logits.float(), dim=-1)
     t = F.log_softmax(teacher_logits.float(), dim=-1)
     divergence = jsd_divergence(s, t, beta).sum(-1)
     with torch.no_grad():
         entropy = -(s.exp() * s).sum(-1)
     return divergence, entropy
-
-
-def _logits(logits, scale, softcap):
-    if scale != 1.0:
-        logits = logits * scale
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    return logits
-
-
-def logit_transform(model) -> tuple[float, float | None]:
-    """`(scale, softcap)` a model applies to its LM head's output, so that hidden states times the head give the
-    model's own logits: Cohere's `logit_scale`, Falcon-H1's `lm_head_multiplier`, `output_multiplier`, Granite's
-    division by `logits_scaling`, and Gemma 2's `final_logit_softcapping`."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    scale = 1.0
-    for name in ("logit_scale", "lm_head_multiplier", "output_multiplier"):
-        if getattr(config, name, None) is not None:
-            scale = float(getattr(config, name))
-            break
-    else:
-        if getattr(config, "logits_scaling", None) is not None:
-            scale = 1.0 / float(config.logits_scaling)
-    return scale, getattr(config, "final_logit_softcapping", None)
 
 
 def token_divergence(

@@ -1,5 +1,8 @@
-"""Per-token log-probs and entropies of completion tokens, computed only where needed."""
+"""Per-token log-probs and entropies of completion tokens, computed only where needed: only completion positions,
+from the final hidden states in chunks of positions (`core/lm_head.py`), each distinct prompt encoded once where rows
+repeat it (`generation/sharing.py`)."""
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -7,6 +10,7 @@ import torch
 
 from ..generation.fallbacks import report_fallback
 from ..generation.sharing import PrefixSharingUnsupported, cache_kwarg, encode_prefix, group_prompts
+from .lm_head import HiddenStateHead, token_scores
 from .token_ids import embedding_rows, mask_padding
 
 
@@ -88,13 +92,17 @@ def compute_token_logprobs(
     shared_prefix: bool = False,
     position_ids: torch.Tensor | None = None,
     logits_stats: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]] | None = None,
+    from_hidden_states: bool = True,
     **forward_kwargs,
 ) -> TokenLogprobs:
     """Log-probs of the last `logits_to_keep` tokens of `input_ids` under `model`, logits divided by `temperature`.
 
-    Only the `logits_to_keep + 1` last positions are projected to the vocabulary (the model's `logits_to_keep`),
-    and log-softmax is chunked (see `selective_log_softmax`). Rows are run through the model `batch_size` at a time
-    when given (a memory cap for the no-grad reference pass).
+    By default (`from_hidden_states`) the model projects one position to the vocabulary, and the log-probs come from
+    its final hidden states through the LM head in chunks of positions, recomputed in the backward
+    (`core/lm_head.py`): no `(B, C, V)` tensor exists in the forward or the backward. Otherwise (or where that path
+    cannot reproduce the model's logits) the model's own `logits_to_keep + 1` last positions are used, with a
+    chunked log-softmax (`selective_log_softmax`). Rows are run through the model `batch_size` at a time when given
+    (a memory cap for the no-grad reference pass).
 
     Args:
         model (`PreTrainedModel`): a causal LM (or PEFT/VLM wrapper) whose forward accepts `logits_to_keep`.
@@ -107,15 +115,17 @@ def compute_token_logprobs(
             (an entropy bonus in the loss); otherwise they are computed without grad, for logging and masks.
         batch_size (`int`, *optional*): rows per forward pass; all rows at once by default.
         output_router_logits (`bool`, *optional*, defaults to `False`): return the MoE load-balancing loss.
-        logits_stats (`Callable`, *optional*): called without grad on each chunk's scaled logits `(b, C, V)` and its
-            target ids `(b, C)`; returns `(b, C)` tensors by name, concatenated into `TokenLogprobs.stats` (per-token
-            metrics that need the full logits, computed while they exist).
         shared_prefix (`bool`, *optional*, defaults to `False`): encode each distinct prompt (`input_ids[:, :-C]`) of a
             chunk once and reuse its KV cache for the rows that repeat it (see `generation/sharing.py`); same
             log-probs and, under grad, same gradients as the plain forward, less compute when prompts repeat. The
             caller decides whether the model supports it (`sharing.may_share_prefix`).
         position_ids (`torch.LongTensor`, *optional*): `(B, P + C)` positions, e.g. those of another layout of the
             same rows (`preference_data.shared_prompt_layout`); the model's default otherwise.
+        logits_stats (`Callable`, *optional*): called without grad on scaled logits `(b, n, V)` and their target ids
+            `(b, n)` (a chunk of positions); returns `(b, n)` tensors by name, gathered into `TokenLogprobs.stats`
+            (per-token metrics that need the full logits, computed while they exist).
+        from_hidden_states (`bool`, *optional*, defaults to `True`): the chunked head path above; False: the model's
+            logits.
         **forward_kwargs (`Any`): other model inputs with a leading batch dimension (e.g. `token_type_ids`), or, for
             vision-language models, the full image tensors (then `batch_size` must cover the whole batch).
 
@@ -130,8 +140,10 @@ def compute_token_logprobs(
     """
     batch_size = batch_size or input_ids.size(0)
     input_ids = mask_padding(input_ids, attention_mask, embedding_rows(model))  # a pad beyond the table: read as 0
-    logps, entropies, aux_losses = [], [], []
-    stats: dict[str, list[torch.Tensor]] = {}
+    head = HiddenStateHead.of(model) if from_hidden_states else None
+    scoring = dict(temperature=temperature, compute_entropy=compute_entropy,
+                   entropy_requires_grad=entropy_requires_grad, logits_stats=logits_stats)  # fmt: skip
+    parts, aux_losses = [], []
     for start in range(0, input_ids.size(0), batch_size):
         rows = slice(start, start + batch_size)
         kwargs = {
@@ -142,54 +154,69 @@ def compute_token_logprobs(
         }
         if output_router_logits:
             kwargs["output_router_logits"] = True
-        prompt_length = input_ids.size(1) - logits_to_keep
-        groups = None
-        if shared_prefix:
-            groups = group_prompts(input_ids[rows, :prompt_length], attention_mask[rows, :prompt_length])
-        outputs = None
         positions = None if position_ids is None else position_ids[rows]
-        if groups is not None:  # the prompt but its last token once per group; the rest per row, on the cache
-            try:
-                cache = encode_prefix(
-                    model, input_ids[rows], attention_mask[rows], prompt_length - 1, groups, positions
-                )
-                if positions is not None:
-                    kwargs["position_ids"] = positions[:, prompt_length - 1 :]
-                outputs = model(
-                    input_ids=input_ids[rows, prompt_length - 1 :],
-                    attention_mask=attention_mask[rows],
-                    use_cache=True,
-                    logits_to_keep=logits_to_keep + 1,
-                    **kwargs,
-                    **{cache_kwarg(model): cache},
-                )
-            except PrefixSharingUnsupported as e:
-                report_fallback("log-prob forward", str(e))
-        if outputs is None:
-            if positions is not None:
-                kwargs["position_ids"] = positions
-            outputs = model(
-                input_ids=input_ids[rows],
-                attention_mask=attention_mask[rows],
-                logits_to_keep=logits_to_keep + 1,
-                **kwargs,
-            )
-        logits = outputs.logits[:, -(logits_to_keep + 1) : -1, :]  # (b, C, V): position t predicts token t + 1
-        if temperature != 1.0:
-            logits = logits / temperature
-        logps.append(selective_log_softmax(logits, input_ids[rows, -logits_to_keep:]))
-        if compute_entropy:
-            with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
-                entropies.append(entropy_from_logits(logits))
-        if logits_stats is not None:
-            with torch.no_grad():
-                for name, value in logits_stats(logits, input_ids[rows, -logits_to_keep:]).items():
-                    stats.setdefault(name, []).append(value)
+        targets = input_ids[rows, -logits_to_keep:]
+        with head.capture() if head is not None else contextlib.nullcontext():
+            keep = 1 if head is not None else logits_to_keep + 1
+            outputs = _forward(model, input_ids[rows], attention_mask[rows], logits_to_keep, keep, shared_prefix,
+                               positions, kwargs)  # fmt: skip
+        if head is not None and head.matches(outputs.logits):
+            hidden = head.hidden[:, -(logits_to_keep + 1) : -1]  # position t predicts token t + 1
+            parts.append(token_scores(hidden, targets, head.logits, vocabulary=outputs.logits.size(-1), **scoring))
+        else:
+            if head is not None:  # the model's logits after all: run it again for them
+                head = None
+                outputs = _forward(model, input_ids[rows], attention_mask[rows], logits_to_keep, logits_to_keep + 1,
+                                   shared_prefix, positions, kwargs)  # fmt: skip
+            parts.append(_scores_from_logits(outputs.logits[:, -(logits_to_keep + 1) : -1, :], targets, **scoring))
         if output_router_logits and getattr(outputs, "aux_loss", None) is not None:
             aux_losses.append(outputs.aux_loss)
     return TokenLogprobs(
-        logps=torch.cat(logps),
-        entropy=torch.cat(entropies) if compute_entropy else None,
+        logps=torch.cat([logps for logps, _, _ in parts]),
+        entropy=torch.cat([entropy for _, entropy, _ in parts]) if compute_entropy else None,
         aux_loss=torch.stack(aux_losses).mean() if aux_losses else None,
-        stats={name: torch.cat(values) for name, values in stats.items()},
+        stats={name: torch.cat([stats[name] for _, _, stats in parts]) for name in parts[0][2]},
     )
+
+
+def _forward(model, input_ids, attention_mask, logits_to_keep, keep, shared_prefix, positions, kwargs):
+    """The model's outputs on one batch of rows, projecting the last `keep` positions to the vocabulary: with
+    `shared_prefix`, each distinct prompt but its last token encoded once and the rest run per row on its cache
+    (a model that cannot is reported once and run plainly)."""
+    kwargs = dict(kwargs)
+    prompt_length = input_ids.size(1) - logits_to_keep
+    groups = group_prompts(input_ids[:, :prompt_length], attention_mask[:, :prompt_length]) if shared_prefix else None
+    if groups is not None:
+        try:
+            cache = encode_prefix(model, input_ids, attention_mask, prompt_length - 1, groups, positions)
+            if positions is not None:
+                kwargs["position_ids"] = positions[:, prompt_length - 1 :]
+            return model(
+                input_ids=input_ids[:, prompt_length - 1 :],
+                attention_mask=attention_mask,
+                use_cache=True,
+                logits_to_keep=keep,
+                **kwargs,
+                **{cache_kwarg(model): cache},
+            )
+        except PrefixSharingUnsupported as e:
+            report_fallback("log-prob forward", str(e))
+    if positions is not None:
+        kwargs["position_ids"] = positions
+    return model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, **kwargs)
+
+
+def _scores_from_logits(logits, targets, temperature, compute_entropy, entropy_requires_grad, logits_stats):
+    """`(log-probs, entropies or None, stats)` `(b, C)` from the model's logits `(b, C, V)`."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    logps = selective_log_softmax(logits, targets)
+    entropy = None
+    if compute_entropy:
+        with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits)
+    stats = {}
+    if logits_stats is not None:
+        with torch.no_grad():
+            stats = logits_stats(logits, targets)
+    return logps, entropy, stats

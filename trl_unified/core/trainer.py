@@ -45,7 +45,9 @@ from .token_ids import embedding_rows, in_table, saved_without_unusable_pad
 logger = logging.getLogger(__name__)
 
 # compute_token_logprobs options that are not model inputs
-_LOGPROB_OPTIONS = {"compute_entropy", "entropy_requires_grad", "batch_size", "output_router_logits"}
+_LOGPROB_OPTIONS = {
+    "compute_entropy", "entropy_requires_grad", "batch_size", "output_router_logits", "from_hidden_states"
+}  # fmt: skip
 
 
 class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
@@ -301,6 +303,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         `repeats_prompts` (rows repeat their prompt, e.g. groups of G completions: each prompt is encoded once where
         `uses_shared_prefix` allows it) and `positions_from_mask` (position ids that skip left padding, as
         generation numbers them: TRL's PPO)."""
+        kwargs.setdefault("from_hidden_states", self.args.chunked_lm_head)
         if self.positions_from_mask:
             kwargs.setdefault("position_ids", position_ids_from_mask(attention_mask))
         if self.repeats_prompts and "shared_prefix" not in kwargs:  # extra inputs (e.g. position ids) may rule it out

@@ -201,6 +201,7 @@ class PreferenceTrainer(PolicyTrainerBase):
             compute_entropy=stats,
             logits_stats=preference_token_stats(getattr(self.args, "use_weighting", False)) if stats else None,
             output_router_logits=stats and self.aux_loss_enabled,
+            from_hidden_states=self.args.chunked_lm_head,
         )
         extra = sequences.model_inputs()  # image tensors and per-token inputs of vision-language rows
         layout = None

@@ -15,7 +15,6 @@ the student's chunk recomputed in the backward). Logged: TRL's completion metric
 M), `step_time`.
 """
 
-import inspect
 import json
 import types
 from dataclasses import dataclass
@@ -23,11 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from ..core.config import document_fields, option
-from ..core.divergence import generalized_jsd_loss, logit_transform, reduce_divergence, token_divergence
+from ..core.divergence import generalized_jsd_loss, reduce_divergence, token_divergence
+from ..core.lm_head import HiddenStateHead
 from ..core.models import load_model
 from ..core.reference import prepare_frozen_model
 from ..core.token_ids import embedding_rows, mask_padding
-from ..generation.unwrap import _deepspeed_zero3
 from ..online.config import OnlineConfig
 from ..online.rollout import RolloutBatch
 from ..online.trainer import OnlineTrainer
@@ -199,32 +198,33 @@ class DistillationTrainer(OnlineTrainer):
         return loss
 
     def token_divergence(self, model, input_ids, attention_mask, width: int):
-        """`(D, student entropy)` `(B, C)` for the last `width` tokens: both models' final hidden states, then
-        `core.divergence.token_divergence` in chunks. Under ZeRO-3 or FSDP (LM heads sharded outside the forward)
-        from the models' logits instead."""
+        """`(D, student entropy)` `(B, C)` for the last `width` tokens: both models' final hidden states
+        (`core/lm_head.py`), then `core.divergence.token_divergence` in chunks. Where either head cannot be applied
+        outside the forward (ZeRO-3 / FSDP shards, a compiled model), from the models' logits instead."""
         self.teacher_model.eval()
-        student = self.accelerator.unwrap_model(model)
-        teacher = self.accelerator.unwrap_model(self.teacher_model)
-        fsdp = getattr(self.accelerator.state, "fsdp_plugin", None) is not None
-        if _deepspeed_zero3(self.accelerator) or fsdp:
+        student = teacher = student_hidden = teacher_hidden = None
+        if self.args.chunked_lm_head:
+            student, teacher = HiddenStateHead.of(model), HiddenStateHead.of(self.teacher_model)
+        if student is not None and teacher is not None:
+            student_hidden = self._hidden(student, input_ids, attention_mask, width)
+            with torch.no_grad():
+                teacher_hidden = self._hidden(teacher, input_ids, attention_mask, width)
+        if student_hidden is None or teacher_hidden is None:
             return self._divergence_from_logits(model, input_ids, attention_mask, width)
-        student_hidden = self._hidden(model, student, input_ids, attention_mask, width)
-        with torch.no_grad():
-            teacher_hidden = self._hidden(self.teacher_model, teacher, input_ids, attention_mask, width)
         return token_divergence(
-            student_hidden, teacher_hidden, student.get_output_embeddings(), teacher.get_output_embeddings(),
-            self.args.beta, self.args.temperature, logit_transform(student), logit_transform(teacher),
+            student_hidden, teacher_hidden, student.head, teacher.head,
+            self.args.beta, self.args.temperature, student.transform, teacher.transform,
         )  # fmt: skip
 
-    def _hidden(self, model, unwrapped, input_ids, attention_mask, width):
-        input_ids = mask_padding(input_ids, attention_mask, embedding_rows(unwrapped))
-        base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
-        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
-        with self.accelerator.autocast():
-            out = model(
-                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False, **keep
-            )
-        return out.hidden_states[-1][:, -(width + 1) : -1]  # position i predicts completion token i
+    def _hidden(self, head: HiddenStateHead, input_ids, attention_mask, width):
+        """The final hidden states `(B, width, H)` that predict the last `width` tokens, or None where they do not
+        reproduce the model's logits."""
+        input_ids = mask_padding(input_ids, attention_mask, embedding_rows(head.model))
+        with self.accelerator.autocast(), head.capture():
+            out = head.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **head.keep_one())
+        if not head.matches(out.logits):
+            return None
+        return head.hidden[:, -(width + 1) : -1]  # position i predicts completion token i
 
     def _divergence_from_logits(self, model, input_ids, attention_mask, width):
         def logits(m):

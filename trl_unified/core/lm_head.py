@@ -1,0 +1,219 @@
+"""The language-model head applied outside the model's forward, to chunks of positions.
+
+A causal LM's forward ends in `logits = lm_head(hidden)`: `(B, T, V)`, at real vocabulary sizes (49k-152k tokens)
+the largest tensor of a training step, and with its float32 log-softmax and their gradients several times that. Here
+the model is run with `logits_to_keep=1` (one position projected), the decoder's final hidden states are read
+through a forward hook, and the head is applied to `_CHUNK_ELEMENTS // V` positions at a time. Under grad each chunk
+runs inside `torch.utils.checkpoint`: only its hidden states are kept, and its logits are recomputed in the backward,
+so no `(B, T, V)` tensor exists in the forward or the backward (the cost: one more head matmul per chunk in the
+backward). Per-token values are the same as from the model's own logits, to float rounding.
+
+The path is taken only where it reproduces the model's logits: the head is readable outside the forward (not a
+ZeRO-3 / FSDP shard), the model is not compiled, and on the first forward of each model the head applied to the
+captured last hidden state matches the one position of logits the model returned (the logit scalings of
+`logit_transform` included); otherwise the model's logits are used, with one log line naming the reason.
+"""
+
+import contextlib
+import inspect
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..generation.fallbacks import report_fallback
+
+
+logger = logging.getLogger(__name__)
+
+# Positions per chunk: one chunk's float32 logits stay under this many elements.
+_CHUNK_ELEMENTS = 2**24
+
+# Models whose hidden-state path was checked against their own logits: model -> True (matches) / False.
+_VERIFIED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def apply_logit_transform(logits: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """What a model does to its head's output before returning it: a scale, then a tanh soft cap."""
+    if scale != 1.0:
+        logits = logits * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits
+
+
+def logit_transform(model) -> tuple[float, float | None]:
+    """`(scale, softcap)` a model applies to its LM head's output, so that hidden states times the head give the
+    model's own logits: Cohere's `logit_scale`, Falcon-H1's `lm_head_multiplier`, `output_multiplier`, Granite's
+    division by `logits_scaling`, and Gemma 2's `final_logit_softcapping`."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    scale = 1.0
+    for name in ("logit_scale", "lm_head_multiplier", "output_multiplier"):
+        if getattr(config, name, None) is not None:
+            scale = float(getattr(config, name))
+            break
+    else:
+        if getattr(config, "logits_scaling", None) is not None:
+            scale = 1.0 / float(config.logits_scaling)
+    return scale, getattr(config, "final_logit_softcapping", None)
+
+
+def _bare(model) -> nn.Module:
+    """`model` without DDP / DeepSpeed / PEFT wrappers (the `PreTrainedModel` whose forward ends in the head)."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+def _sharded(weight) -> bool:
+    """Whether `weight` is only whole inside the forward (ZeRO-3 partition, FSDP flat or DTensor shard)."""
+    return (
+        hasattr(weight, "ds_id")
+        or type(weight).__name__ == "DTensor"
+        or not isinstance(weight, torch.Tensor)
+        or weight.numel() == 0
+    )
+
+
+@dataclass
+class HiddenStateHead:
+    """The head of one model, applied outside its forward: `capture()` records the decoder's final hidden states
+    during a forward, `scores(...)` turns them into per-token values chunk by chunk."""
+
+    model: nn.Module
+    decoder: nn.Module
+    head: nn.Module
+    transform: tuple[float, float | None]
+    hidden: torch.Tensor | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, model) -> "HiddenStateHead | None":
+        """The head path of `model`, or None (the reason logged once) where the model's own logits must be used."""
+        if _VERIFIED.get(_bare(model)) is False:
+            return None
+        reason = None
+        bare = _bare(model)
+        if "OptimizedModule" in type(model).__name__ or hasattr(bare, "_orig_mod"):
+            reason = "the model is compiled (torch.compile)"
+        else:
+            try:
+                decoder, head = bare.get_decoder(), bare.get_output_embeddings()
+            except (AttributeError, NotImplementedError, ValueError):
+                decoder = head = None
+            if head is None or decoder is None or decoder is bare:
+                reason = f"{type(bare).__name__} has no separate decoder and output embeddings"
+            elif _sharded(getattr(head, "weight", None)):
+                reason = "the LM head is sharded outside the forward (ZeRO-3 / FSDP)"
+        if reason is not None:
+            report_fallback("log-probs from hidden states", reason)
+            return None
+        return cls(model, decoder, head, logit_transform(bare))
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Record the decoder's output hidden states `(B, T, H)` of every forward inside (the last one is kept)."""
+
+        def hook(module, args, output):
+            self.hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+        handle = self.decoder.register_forward_hook(hook)
+        try:
+            yield self
+        finally:
+            handle.remove()
+
+    def keep_one(self) -> dict:
+        """`{"logits_to_keep": 1}` where the model's forward takes it (one position projected), else `{}`."""
+        parameters = inspect.signature(_bare(self.model).forward).parameters
+        return {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return apply_logit_transform(self.head(hidden), *self.transform)
+
+    def matches(self, model_logits: torch.Tensor) -> bool:
+        """Whether the head on the last captured position gives the model's own last-position logits `(B, 1, V)`
+        (checked once per model; a mismatch turns the path off for that model, with a log line)."""
+        bare = _bare(self.model)
+        if bare not in _VERIFIED and self.hidden is None:
+            _VERIFIED[bare] = False
+            report_fallback("log-probs from hidden states", f"{type(bare).__name__}'s forward skips its decoder")
+        if bare not in _VERIFIED:
+            with torch.no_grad():
+                ours = self.logits(self.hidden[:, -1:]).float()
+                theirs = model_logits[:, -1:].float()
+                _VERIFIED[bare] = ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=1e-3, atol=1e-3)
+            if not _VERIFIED[bare]:
+                report_fallback(
+                    "log-probs from hidden states",
+                    f"{type(bare).__name__}'s decoder output times its LM head does not give its logits",
+                )
+        return _VERIFIED[bare]
+
+
+@dataclass
+class _Sink:
+    """No-grad per-chunk values, filled by a chunk's first run (a checkpoint's recompute skips them)."""
+
+    values: dict[str, torch.Tensor] | None = None
+
+
+def token_scores(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    entropy_requires_grad: bool = False,
+    logits_stats: Callable | None = None,
+    vocabulary: int | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """`(log-probs, entropies or None, stats)`, each `(B, C)`, of `targets` `(B, C)` from hidden states `(B, C, H)`.
+
+    `logits_fn(h)` gives a chunk's logits `(n, V)`; they are divided by `temperature`, then
+    `log p = z[target] - logsumexp(z)` and `H = logsumexp(z) - sum_v softmax(z)_v z_v` in float32 (the formulas
+    of `selective_log_softmax` and `entropy_from_logits`); `logits_stats(logits (1, n, V), targets (1, n))` runs
+    without grad on each chunk. Chunks of `chunk_size` positions (from `_CHUNK_ELEMENTS` and `vocabulary`) run under
+    `checkpoint` when the hidden states require grad."""
+    batch, width = targets.shape
+    flat_hidden, flat_targets = hidden.reshape(batch * width, -1), targets.reshape(-1)
+    chunk_size = chunk_size or max(1, _CHUNK_ELEMENTS // max(1, vocabulary or 1))
+    grad = torch.is_grad_enabled() and flat_hidden.requires_grad
+    options = (logits_fn, temperature, compute_entropy, entropy_requires_grad and grad, logits_stats)
+    logps, entropies, sinks = [], [], []
+    for start in range(0, flat_hidden.size(0), chunk_size):
+        sink = _Sink()
+        arguments = (flat_hidden[start : start + chunk_size], flat_targets[start : start + chunk_size], sink, *options)
+        logp, entropy = checkpoint(_chunk, *arguments, use_reentrant=False) if grad else _chunk(*arguments)
+        logps.append(logp)
+        entropies.append(entropy if entropy is not None else sink.values.get("entropy"))
+        sinks.append(sink.values)
+    names = [name for name in (sinks[0] if sinks else {}) if name != "entropy"]
+    stats = {name: torch.cat([s[name] for s in sinks]).view(batch, width) for name in names}
+    entropy = torch.cat(entropies).view(batch, width) if compute_entropy else None
+    return torch.cat(logps).view(batch, width), entropy, stats
+
+
+def _chunk(hidden, targets, sink, logits_fn, temperature, compute_entropy, entropy_with_grad, logits_stats):
+    logits = logits_fn(hidden)
+    if temperature != 1.0:
+        logits = logits / temperature
+    z = logits.float()
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if entropy_with_grad else None
+    if sink.values is None:  # the first run of this chunk (not a checkpoint recompute)
+        with torch.no_grad():
+            sink.values = {}
+            if compute_entropy and not entropy_with_grad:
+                sink.values["entropy"] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+            if logits_stats is not None:
+                for name, value in logits_stats(logits[None], targets[None]).items():
+                    sink.values[name] = value[0]
+    return logp, entropy
