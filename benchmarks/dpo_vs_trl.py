@@ -11,10 +11,13 @@ trainer runs in its own fresh subprocess (so peak RSS is its own), TRL then ours
 Printed per implementation: median seconds per step (first step excluded), peak RSS, and where the step goes
 (reference forwards, optimiser, and the rest: the policy's forward and backward); then per workload
 
-    ratio workload=default step_time=X peak_rss=Y        (ours / TRL's)
+    ratio vocab=8k workload=default step_time=X peak_rss=Y        (ours / TRL's)
 
-Usage: python benchmarks/dpo_vs_trl.py [--trainer dpo|kto] [--workload default|long|both] [--threads 2]
-    [--steps 10] [--repeats 1] [--precompute_ref_log_probs] [--shared_prefix auto|false]
+`--vocab real`: the model with Qwen2.5's vocabulary size (151,665 tokens, tied embeddings; see `online_vs_trl.py`).
+
+Usage: python benchmarks/dpo_vs_trl.py [--trainer dpo|kto] [--workload default|long|both] [--vocab 8k|real]
+    [--threads 2] [--steps 10] [--repeats 1] [--precompute_ref_log_probs] [--shared_prefix auto|false]
+    [--chunked_lm_head true|false]
 """
 
 import argparse
@@ -30,7 +33,7 @@ import tempfile
 WORKLOADS = {"default": ((48, 9), (24, 17)), "long": ((396, 9), (32, 17))}  # (min words, spread) of prompt, completion
 
 
-def run_one(trainer, impl, model_path, steps, out, precompute, workload, shared_prefix) -> None:
+def run_one(trainer, impl, model_path, steps, out, precompute, workload, shared_prefix, chunked_lm_head=None) -> None:
     from datasets import Dataset
     from step_timer import PhaseTimer, StepTimer
     from transformers import PreTrainedTokenizerFast
@@ -56,6 +59,8 @@ def run_one(trainer, impl, model_path, steps, out, precompute, workload, shared_
 
     timer, phases = StepTimer(), PhaseTimer()
     extra = {} if impl == "trl" else {"shared_prefix": {"auto": None, "false": False}[shared_prefix]}
+    if impl != "trl" and chunked_lm_head is not None:
+        extra["chunked_lm_head"] = chunked_lm_head == "true"
     args = config_class(
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=8 if trainer == "dpo" else 16,  # KTO: 16 unpaired rows = 8 pairs
@@ -95,6 +100,8 @@ def main():
     parser.add_argument("--precompute_ref_log_probs", action="store_true")
     parser.add_argument("--workload", choices=["default", "long", "both"], default="both")
     parser.add_argument("--shared_prefix", choices=["auto", "false"], default="auto", help="ours only")
+    parser.add_argument("--vocab", choices=["8k", "real"], default="8k", help="8k words, or real: Qwen2.5's size")
+    parser.add_argument("--chunked_lm_head", choices=["true", "false"], default=None, help="ours only (default: true)")
     parser.add_argument("--child", nargs=3, metavar=("IMPL", "MODEL", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -102,7 +109,7 @@ def main():
 
         torch.set_num_threads(args.threads)
         impl, model, out = args.child
-        options = (args.precompute_ref_log_probs, args.workload, args.shared_prefix)
+        options = (args.precompute_ref_log_probs, args.workload, args.shared_prefix, args.chunked_lm_head)
         run_one(args.trainer, impl, model, args.steps, out, *options)
         return
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -110,7 +117,7 @@ def main():
 
     workdir = tempfile.mkdtemp()
     model_path = os.path.join(workdir, "model")
-    build_model(model_path)
+    build_model(model_path, args.vocab)
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(args.threads),
@@ -129,6 +136,7 @@ def compare(args, workload, model_path, workdir, env):
             options = ["--trainer", args.trainer, "--threads", str(args.threads), "--steps", str(args.steps)]
             options += ["--workload", workload, "--shared_prefix", args.shared_prefix]
             options += ["--precompute_ref_log_probs"] if args.precompute_ref_log_probs else []
+            options += ["--chunked_lm_head", args.chunked_lm_head] if args.chunked_lm_head else []
             cmd = [sys.executable, __file__, *options, "--child", impl, model_path, out]
             subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             results[impl].append(json.load(open(out)))
@@ -149,7 +157,8 @@ def compare(args, workload, model_path, workdir, env):
             f"[{args.threads} threads, {args.steps} steps, {args.repeats} run(s)]"
         )
     ours, trl = summary["ours"], summary["trl"]
-    print(f"ratio workload={workload} step_time={ours[0] / trl[0]:.2f} peak_rss={ours[1] / trl[1]:.2f}")
+    step, rss = ours[0] / trl[0], ours[1] / trl[1]
+    print(f"ratio vocab={args.vocab} workload={workload} step_time={step:.2f} peak_rss={rss:.2f}")
 
 
 if __name__ == "__main__":

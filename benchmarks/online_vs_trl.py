@@ -14,8 +14,11 @@ the time goes (generation, reference forward, optimiser, the rest: policy forwar
 
 (ours / TRL's); a run of one workload ends with `ratio step_time=X peak_rss=Y`.
 
-Usage: python benchmarks/{rloo,grpo}_vs_trl.py [--workload both] [--threads 2] [--steps 10] [--repeats 1]
-    [--shared_prefix auto|false] [--lean_decoding true|false]
+`--vocab real` gives the model Qwen2.5's vocabulary size (151,665 tokens, tied embeddings: 105M parameters), where
+the LM head and its log-softmax dominate.
+
+Usage: python benchmarks/{rloo,grpo}_vs_trl.py [--workload both] [--vocab 8k|real] [--threads 2] [--steps 10]
+    [--repeats 1] [--shared_prefix auto|false] [--lean_decoding true|false] [--chunked_lm_head true|false]
 """
 
 import argparse
@@ -36,12 +39,17 @@ WORKLOADS = {
 }
 
 
-def build_model(path: str) -> None:
+# Word-level vocabularies: "8k" (the synthetic workloads' first measurements) and "real", Qwen2.5's size (151,665
+# tokens in its tokenizer; the 0.5B-3B checkpoints tie the input and output embeddings, as here).
+VOCABULARIES = {"8k": 8180, "real": 151_658}
+
+
+def build_model(path: str, vocab: str = "8k") -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from trl_unified.testing import build_tokenizer
 
-    words = [f"w{i}" for i in range(8180)]
+    words = [f"w{i}" for i in range(VOCABULARIES[vocab])]
     tokenizer = build_tokenizer(words=words)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -51,7 +59,7 @@ def build_model(path: str) -> None:
         num_attention_heads=8,
         num_key_value_heads=2,
         max_position_embeddings=1024,
-        tie_word_embeddings=False,
+        tie_word_embeddings=vocab == "real",
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
@@ -84,6 +92,8 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
         return [c.count("w1") / max(1, len(c.split())) for c in completions]
 
     timer, phases = StepTimer(), PhaseTimer()
+    options = ("shared_prefix", "lean_decoding", "chunked_lm_head")  # trl_unified's switches, when given
+    ours_only = {} if impl == "trl" else {k: workload[k] for k in options if workload[k] is not None}
     args = config_class(
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=workload["batch_size"],
@@ -99,8 +109,7 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
         gradient_checkpointing=False,
         seed=0,
         temperature=1.0,
-        **({} if impl == "trl" or workload["shared_prefix"] is None else {"shared_prefix": workload["shared_prefix"]}),
-        **({} if impl == "trl" or workload["lean_decoding"] is None else {"lean_decoding": workload["lean_decoding"]}),
+        **ours_only,
     )
     policy_trainer = trainer_class(
         model_path,
@@ -139,6 +148,10 @@ def main(trainer: str):
     )
     parser.add_argument("--shared_prefix", choices=["auto", "false"], default=None, help="ours only (default: auto)")
     parser.add_argument("--lean_decoding", choices=["true", "false"], default=None, help="ours only (default: true)")
+    parser.add_argument(
+        "--vocab", choices=sorted(VOCABULARIES), default="8k", help="8k words, or real: Qwen2.5's size"
+    )
+    parser.add_argument("--chunked_lm_head", choices=["true", "false"], default=None, help="ours only (default: true)")
     parser.add_argument("--child", nargs=4, metavar=("IMPL", "MODEL", "OUT", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -149,13 +162,14 @@ def main(trainer: str):
             **WORKLOADS[args.child[3]],
             "shared_prefix": {None: None, "auto": "auto", "false": False}[args.shared_prefix],
             "lean_decoding": {None: None, "true": True, "false": False}[args.lean_decoding],
+            "chunked_lm_head": {None: None, "true": True, "false": False}[args.chunked_lm_head],
         }
         run_one(trainer, args.child[0], args.child[1], args.steps, args.child[2], workload)
         return
 
     workdir = tempfile.mkdtemp()
     model_path = os.path.join(workdir, "model")
-    build_model(model_path)
+    build_model(model_path, args.vocab)
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(args.threads),
@@ -165,7 +179,7 @@ def main(trainer: str):
     names = ["short", "long"] if args.workload == "both" else [args.workload]
     ratios = {name: compare(trainer, name, args, model_path, workdir, env) for name in names}
     for name, (step, rss) in ratios.items():
-        print(f"ratio workload={name} step_time={step:.2f} peak_rss={rss:.2f}")
+        print(f"ratio vocab={args.vocab} workload={name} step_time={step:.2f} peak_rss={rss:.2f}")
     if len(ratios) == 1:
         print(f"ratio step_time={step:.2f} peak_rss={rss:.2f}")
 
@@ -186,6 +200,7 @@ def compare(trainer, name, args, model_path, workdir, env):
                 str(args.steps),
                 *(["--shared_prefix", args.shared_prefix] if args.shared_prefix else []),
                 *(["--lean_decoding", args.lean_decoding] if args.lean_decoding else []),
+                *(["--chunked_lm_head", args.chunked_lm_head] if args.chunked_lm_head else []),
                 "--child",
                 impl,
                 model_path,

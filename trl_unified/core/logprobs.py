@@ -2,7 +2,6 @@
 from the final hidden states in chunks of positions (`core/lm_head.py`), each distinct prompt encoded once where rows
 repeat it (`generation/sharing.py`)."""
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -97,46 +96,34 @@ def compute_token_logprobs(
 ) -> TokenLogprobs:
     """Log-probs of the last `logits_to_keep` tokens of `input_ids` under `model`, logits divided by `temperature`.
 
-    By default (`from_hidden_states`) the model projects one position to the vocabulary, and the log-probs come from
+    By default (`from_hidden_states`) the model projects one position to the vocabulary and the log-probs come from
     its final hidden states through the LM head in chunks of positions, recomputed in the backward
-    (`core/lm_head.py`): no `(B, C, V)` tensor exists in the forward or the backward. Otherwise (or where that path
-    cannot reproduce the model's logits) the model's own `logits_to_keep + 1` last positions are used, with a
-    chunked log-softmax (`selective_log_softmax`). Rows are run through the model `batch_size` at a time when given
-    (a memory cap for the no-grad reference pass).
+    (`core/lm_head.py`): no `(B, C, V)` tensor in the forward or the backward. Otherwise (or where that path cannot
+    reproduce the model's logits) from the model's `logits_to_keep + 1` last logits, log-softmax chunked
+    (`selective_log_softmax`).
 
     Args:
         model (`PreTrainedModel`): a causal LM (or PEFT/VLM wrapper) whose forward accepts `logits_to_keep`.
-        input_ids (`torch.LongTensor`): `(B, P + C)` prompt then completion tokens.
-        attention_mask (`torch.LongTensor`): `(B, P + C)`.
+        input_ids, attention_mask (`torch.LongTensor`): `(B, P + C)` prompt then completion tokens, and their mask.
         logits_to_keep (`int`): `C`, the number of completion positions to score.
-        temperature (`float`, *optional*, defaults to `1.0`): the sampling temperature.
-        compute_entropy (`bool`, *optional*, defaults to `False`): also return per-token entropies.
-        entropy_requires_grad (`bool`, *optional*, defaults to `False`): keep the entropies in the autograd graph
-            (an entropy bonus in the loss); otherwise they are computed without grad, for logging and masks.
-        batch_size (`int`, *optional*): rows per forward pass; all rows at once by default.
-        output_router_logits (`bool`, *optional*, defaults to `False`): return the MoE load-balancing loss.
-        shared_prefix (`bool`, *optional*, defaults to `False`): encode each distinct prompt (`input_ids[:, :-C]`) of a
-            chunk once and reuse its KV cache for the rows that repeat it (see `generation/sharing.py`); same
-            log-probs and, under grad, same gradients as the plain forward, less compute when prompts repeat. The
-            caller decides whether the model supports it (`sharing.may_share_prefix`).
-        position_ids (`torch.LongTensor`, *optional*): `(B, P + C)` positions, e.g. those of another layout of the
-            same rows (`preference_data.shared_prompt_layout`); the model's default otherwise.
-        logits_stats (`Callable`, *optional*): called without grad on scaled logits `(b, n, V)` and their target ids
-            `(b, n)` (a chunk of positions); returns `(b, n)` tensors by name, gathered into `TokenLogprobs.stats`
-            (per-token metrics that need the full logits, computed while they exist).
-        from_hidden_states (`bool`, *optional*, defaults to `True`): the chunked head path above; False: the model's
-            logits.
-        **forward_kwargs (`Any`): other model inputs with a leading batch dimension (e.g. `token_type_ids`), or, for
+        temperature (`float`, defaults to `1.0`): the sampling temperature.
+        compute_entropy (`bool`, defaults to `False`): also return per-token entropies; with `entropy_requires_grad`
+            in the autograd graph (an entropy bonus), otherwise without grad (logging, masks).
+        batch_size (`int`, *optional*): rows per forward pass (a memory cap for no-grad passes); all at once if None.
+        output_router_logits (`bool`, defaults to `False`): return the MoE load-balancing loss.
+        shared_prefix (`bool`, defaults to `False`): encode each distinct prompt (`input_ids[:, :-C]`) of a chunk once
+            and reuse its KV cache for the rows that repeat it (`generation/sharing.py`): same log-probs and
+            gradients, less compute; the caller decides whether the model supports it (`sharing.may_share_prefix`).
+        position_ids (`torch.LongTensor`, *optional*): `(B, P + C)` positions (e.g. of another layout of the same
+            rows, `preference_data.shared_prompt_layout`); the model's default otherwise.
+        logits_stats (`Callable`, *optional*): called without grad on scaled logits `(b, n, V)` and their targets
+            `(b, n)`; returns `(b, n)` per-token tensors by name, gathered into `TokenLogprobs.stats`.
+        from_hidden_states (`bool`, defaults to `True`): the chunked head path above; False: the model's logits.
+        **forward_kwargs: other model inputs with a leading batch dimension (e.g. `token_type_ids`), or, for
             vision-language models, the full image tensors (then `batch_size` must cover the whole batch).
 
     Returns:
-        `TokenLogprobs` with `logps` `(B, C)` float32.
-
-    Example:
-    ```python
-    >>> out = compute_token_logprobs(model, ids, mask, logits_to_keep=completion_ids.size(1))
-    >>> seq_logps = (out.logps * completion_mask).sum(1)  # (B,)
-    ```
+        `TokenLogprobs` with `logps` `(B, C)` float32, e.g. `(out.logps * completion_mask).sum(1)` per sequence.
     """
     batch_size = batch_size or input_ids.size(0)
     input_ids = mask_padding(input_ids, attention_mask, embedding_rows(model))  # a pad beyond the table: read as 0
@@ -155,20 +142,9 @@ def compute_token_logprobs(
         if output_router_logits:
             kwargs["output_router_logits"] = True
         positions = None if position_ids is None else position_ids[rows]
-        targets = input_ids[rows, -logits_to_keep:]
-        with head.capture() if head is not None else contextlib.nullcontext():
-            keep = 1 if head is not None else logits_to_keep + 1
-            outputs = _forward(model, input_ids[rows], attention_mask[rows], logits_to_keep, keep, shared_prefix,
-                               positions, kwargs)  # fmt: skip
-        if head is not None and head.matches(outputs.logits):
-            hidden = head.hidden[:, -(logits_to_keep + 1) : -1]  # position t predicts token t + 1
-            parts.append(token_scores(hidden, targets, head.logits, vocabulary=outputs.logits.size(-1), **scoring))
-        else:
-            if head is not None:  # the model's logits after all: run it again for them
-                head = None
-                outputs = _forward(model, input_ids[rows], attention_mask[rows], logits_to_keep, logits_to_keep + 1,
-                                   shared_prefix, positions, kwargs)  # fmt: skip
-            parts.append(_scores_from_logits(outputs.logits[:, -(logits_to_keep + 1) : -1, :], targets, **scoring))
+        inputs = (input_ids[rows], attention_mask[rows], logits_to_keep, shared_prefix, positions, kwargs)
+        scores, outputs, head = _score_rows(model, head, inputs, scoring)
+        parts.append(scores)
         if output_router_logits and getattr(outputs, "aux_loss", None) is not None:
             aux_losses.append(outputs.aux_loss)
     return TokenLogprobs(
@@ -177,6 +153,26 @@ def compute_token_logprobs(
         aux_loss=torch.stack(aux_losses).mean() if aux_losses else None,
         stats={name: torch.cat([stats[name] for _, _, stats in parts]) for name in parts[0][2]},
     )
+
+
+def _score_rows(model, head: HiddenStateHead | None, inputs, scoring: dict):
+    """`((log-probs, entropies, stats), outputs, head)` for one batch of rows: from the hidden states through
+    `head` when given and it reproduces the model's logits, else from the model's logits (then `head` comes back
+    None, for the next rows)."""
+    input_ids, attention_mask, logits_to_keep, shared_prefix, positions, kwargs = inputs
+    targets = input_ids[:, -logits_to_keep:]
+    if head is not None:
+        with head.capture():
+            outputs = _forward(model, input_ids, attention_mask, logits_to_keep, 1, shared_prefix, positions, kwargs)
+        if head.matches(outputs.logits):
+            hidden = head.hidden[:, -(logits_to_keep + 1) : -1]  # position t predicts token t + 1
+            vocabulary = outputs.logits.size(-1)
+            return token_scores(hidden, targets, head.logits, vocabulary=vocabulary, **scoring), outputs, head
+    outputs = _forward(
+        model, input_ids, attention_mask, logits_to_keep, logits_to_keep + 1, shared_prefix, positions, kwargs
+    )
+    logits = outputs.logits[:, -(logits_to_keep + 1) : -1, :]
+    return _scores_from_logits(logits, targets, **scoring), outputs, None
 
 
 def _forward(model, input_ids, attention_mask, logits_to_keep, keep, shared_prefix, positions, kwargs):

@@ -82,111 +82,56 @@ def generate_batched(
     inside `unwrap_for_generation` (ZeRO-3 parameters gathered once, checkpointing off, modes restored).
 
     Args:
-        model (`PreTrainedModel` or a wrapped/PEFT model):
-            Decoder-only or encoder-decoder model (or a vision-language model with `images`).
-        processing_class (`PreTrainedTokenizerBase` or `ProcessorMixin`):
-            Tokenizer or processor; its pad token pads, its tokenizer decodes.
-        prompts (`list[str]`, `list[list[int]]`, `list[list[dict]]`, `torch.Tensor` or `BatchEncoding`):
-            Plain texts, token ids, or conversations (the chat template is applied with a generation prompt); a 2-D
-            tensor of ids, or a tokenised batch whose `attention_mask` marks padding (see `normalize_prompts`).
-        generation_config (`GenerationConfig`, *optional*):
-            Decoding settings; defaults to the model's own generation config.
-        batch_size (`int`, *optional*):
-            Prompts per `generate` call. Defaults to all at once.
-        strip_prompt (`bool`, *optional*, defaults to `True`):
-            If `False`, `texts` hold prompt + completion (decoder-only models).
-        accelerator (`accelerate.Accelerator`, *optional*):
-            Used to unwrap DDP/DeepSpeed/FSDP models and to detect ZeRO-3.
-        gather_deepspeed3_params (`bool`, *optional*, defaults to `True`):
-            Gather ZeRO-3 parameters once per call (fast, needs the whole model in memory) instead of per layer.
-        images (`list[list[PIL.Image] | None]`, *optional*):
-            Images per prompt, for vision-language models with a processor.
-        videos (`list[list | None]`, *optional*):
-            Videos per prompt (each a list of frames, a `(T, H, W, C)` array or a path; see `data/vision.py`), for
-            vision-language models whose processor has a video processor.
-        pad_to_multiple_of (`int`, *optional*):
-            Pad each chunk's prompt length to a multiple of this.
-        chat_template_kwargs (`dict`, *optional*):
-            Extra arguments for `apply_chat_template`.
-        eos_token_ids (`list[int]`, *optional*):
-            Tokens that end a completion. Defaults to `get_eos_token_ids(model, processing_class)`.
-        shared_prefix (`bool`, *optional*, defaults to `False`):
-            Prefill each distinct prompt of a chunk once and expand its KV cache to the rows that repeat it (e.g. the
-            G completions of a group), then decode every row; greedy results equal the plain path. Chunks with image
-            inputs, encoder-decoder models, beam search and a non-dynamic `cache_implementation` take the plain path.
-        continuous_batching (`transformers.ContinuousBatchingConfig`, *optional*):
-            Generate with transformers' continuous batching (`model.generate_batch`, paged attention) instead of
-            padded `generate` calls (text-only decoder models; `batch_size` is then ignored).
-        lean_decoding (`bool`, *optional*, defaults to `True`):
-            Decode with the lean loop of generation/lean.py (the same tokens as `model.generate`, less work per token)
-            where the model and options allow it, `model.generate` elsewhere (the reason logged once); on CPU,
-            multiply by prepacked float32 linear weights while decoding (generation/packed_weights.py). False: always
-            `model.generate`, with the model's own linear layers.
-        return_logprobs (`bool`, *optional*, defaults to `False`):
-            Fill `GenerationOutput.logprobs` with each completion token's log-prob at the sampling temperature, read
-            from the logits decoding computed (see `lean.lean_generate`); left None when any chunk was decoded by
-            `model.generate`.
-        vllm (`VLLMEngine`, *optional*):
-            Generate with this vLLM engine (generation/vllm_engine.py, `use_vllm=True`) instead of the model: the
-            prompts are sent as token ids, a group of identical prompts once with `n` = its size; the sampled
-            tokens' log-probs come back (kept with `return_logprobs`). Text-only; `batch_size` does not apply.
-        options (`GenerationOptions`, *optional*):
-            Every keyword from `batch_size` to `return_logprobs` as one object; the keywords are then left unset.
+        model: a decoder-only or encoder-decoder model (or a vision-language model with `images`), maybe wrapped.
+        processing_class: its tokenizer or processor; the pad token pads, the tokenizer decodes.
+        prompts: plain texts, token ids, or conversations (the chat template is applied with a generation prompt);
+            a 2-D tensor of ids, or a tokenised batch whose `attention_mask` marks padding (`normalize_prompts`).
+        generation_config (`GenerationConfig`, *optional*): what to decode; the model's own by default.
+        batch_size, ..., vllm: how the call runs (batching, engines, visual inputs, what to return), one field each
+            of `GenerationOptions`, documented there; or `options`, all of them as one object.
 
     Returns:
-        `GenerationOutput`, rows in the order of `prompts`.
-
-    Example:
-    ```python
-    >>> out = generate_batched(model, tokenizer, ["2+2=", "The capital of France is"], batch_size=2)
-    >>> out.texts, out.completion_mask.sum(1)
-    ```
+        `GenerationOutput`, rows in the order of `prompts`, e.g.
+        `generate_batched(model, tokenizer, ["2+2=", "The capital of France is"], batch_size=2).texts`.
     """
-    options = resolve_options(
-        options,
-        GenerationOptions(
-            batch_size=batch_size,
-            strip_prompt=strip_prompt,
-            accelerator=accelerator,
-            gather_deepspeed3_params=gather_deepspeed3_params,
-            images=images,
-            videos=videos,
-            pad_to_multiple_of=pad_to_multiple_of,
-            chat_template_kwargs=chat_template_kwargs,
-            eos_token_ids=eos_token_ids,
-            shared_prefix=shared_prefix,
-            continuous_batching=continuous_batching,
-            lean_decoding=lean_decoding,
-            return_logprobs=return_logprobs,
-            vllm=vllm,
-        ),
-    )
+    keywords = GenerationOptions(
+        batch_size,
+        strip_prompt,
+        accelerator,
+        gather_deepspeed3_params,
+        images,
+        videos,
+        pad_to_multiple_of,
+        chat_template_kwargs,
+        eos_token_ids,
+        shared_prefix,
+        continuous_batching,
+        lean_decoding,
+        return_logprobs,
+        vllm,
+    )  # fmt: skip  (GenerationOptions' fields, in order)
+    options = resolve_options(options, keywords)
     accelerator = options.accelerator
     tokenizer = get_tokenizer(processing_class)
-    unwrapped_for_config = accelerator.unwrap_model(model) if accelerator is not None else model
-    encoded = encode_for_generation(processing_class, prompts, options, unwrapped_for_config, generation_config)
-    if options.eos_token_ids is not None:
-        eos_token_ids = list(options.eos_token_ids)
-    else:
-        eos_token_ids = get_eos_token_ids(unwrapped_for_config, tokenizer)
-    device = accelerator.device if accelerator is not None else next(unwrapped_for_config.parameters()).device
+    bare = accelerator.unwrap_model(model) if accelerator is not None else model
+    encoded = encode_for_generation(processing_class, prompts, options, bare, generation_config)
+    eos_ids_ = list(options.eos_token_ids) if options.eos_token_ids is not None else get_eos_token_ids(bare, tokenizer)
+    device = accelerator.device if accelerator is not None else next(bare.parameters()).device
     if options.vllm is not None:
-        completions, logprobs = _generate_with_vllm(
-            unwrapped_for_config, encoded, generation_config, options, eos_token_ids
-        )
-        return build_output(encoded, completions, logprobs, tokenizer, eos_token_ids, options, False, device)
+        completions, logprobs = _generate_with_vllm(bare, encoded, generation_config, options, eos_ids_)
+        return build_output(encoded, completions, logprobs, tokenizer, eos_ids_, options, False, device)
     with unwrap_for_generation(model, accelerator, options.gather_deepspeed3_params, generation_config) as unwrapped:
         is_encoder_decoder = getattr(unwrapped.config, "is_encoder_decoder", False)
         generation_config = with_decoder_start_token(unwrapped, generation_config)
         if options.continuous_batching is not None:
-            completions = generate_with_continuous_batching(unwrapped, encoded, generation_config, options)
-            logprobs = []
-        else:
-            pad_token_id = padding_token_id(tokenizer)
-            completions, logprobs = _generate_in_chunks(
-                unwrapped, encoded, generation_config, options, pad_token_id, device
+            completions, logprobs = (
+                generate_with_continuous_batching(unwrapped, encoded, generation_config, options),
+                [],
             )
-    return build_output(encoded, completions, logprobs, tokenizer, eos_token_ids, options, is_encoder_decoder, device)
+        else:
+            pad_id = padding_token_id(tokenizer)
+            completions, logprobs = _generate_in_chunks(unwrapped, encoded, generation_config, options, pad_id, device)
+    return build_output(encoded, completions, logprobs, tokenizer, eos_ids_, options, is_encoder_decoder, device)
 
 
 def _generate_with_vllm(model, encoded, generation_config, options: GenerationOptions, eos_token_ids):

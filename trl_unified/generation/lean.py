@@ -160,9 +160,8 @@ def lean_generate(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode `generation_config.max_new_tokens` tokens (fewer when every row has ended) after left-padded prompts.
 
-    Returns what `model.generate(input_ids, attention_mask=attention_mask, generation_config=generation_config)`
-    returns: `(B, P + n)` prompt + new tokens, rows that ended padded with the pad token. Check `unsupported_reason`
-    first.
+    Returns what `model.generate(input_ids, attention_mask=..., generation_config=...)` returns: `(B, P + n)` prompt
+    + new tokens, ended rows padded with the pad token. Check `unsupported_reason` first.
 
     Args:
         model: a decoder-only causal LM (or its PEFT wrapper), in eval mode.
@@ -182,11 +181,8 @@ def lean_generate(
     generation_config = effective_generation_config(model, generation_config)
     batch, prompt_length = input_ids.shape
     new_tokens = generation_config.max_new_tokens
-    device = input_ids.device
-    eos = eos_ids(generation_config)
-    pad_token_id = generation_config.pad_token_id
-    if pad_token_id is None and eos:
-        pad_token_id = eos[0]  # what generate does, with a warning
+    device, eos = input_ids.device, eos_ids(generation_config)
+    pad_token_id = generation_config.pad_token_id if generation_config.pad_token_id is not None or not eos else eos[0]
     eos_tensor = torch.tensor(eos, device=device, dtype=torch.long) if eos else None
     processors = logits_processors(generation_config, attention_mask)
 
@@ -198,21 +194,8 @@ def lean_generate(
     positions = generation_positions(attention_mask)
     next_position = positions[:, -1:] + 1  # (B, 1)
     unfinished = torch.ones(batch, dtype=torch.long, device=device)
-    parameters = inspect.signature(_base_model(model).forward).parameters
     cache_name = cache_kwarg(model)
-    outputs = model(
-        input_ids=input_ids[:, cached_length:],
-        attention_mask=attention_mask,
-        position_ids=positions[:, cached_length:],
-        use_cache=True,
-        **({"logits_to_keep": 1} if "logits_to_keep" in parameters else {}),  # the prompt's other logits: unused
-        **({cache_name: cache} if cache is not None else {}),
-    )
-    cache = outputs.cache if getattr(outputs, "cache", None) is not None else outputs.past_key_values
-    if not isinstance(cache, Cache):
-        reason = f"{type(_base_model(model)).__name__} returns no transformers Cache from a forward with use_cache"
-        _unsupported_models[type(_base_model(model))] = reason
-        raise LeanDecodeUnsupported(reason)
+    outputs, cache = _prefill(model, input_ids, attention_mask, positions, cache, cached_length)
     length = prompt_length
     temperature = (generation_config.temperature or 1.0) if generation_config.do_sample else 1.0
     logprobs = torch.zeros(batch, new_tokens, dtype=torch.float32, device=device) if return_logprobs else None
@@ -221,10 +204,7 @@ def lean_generate(
         if return_logprobs:
             logprobs_step = torch.log_softmax(logits / temperature, dim=-1)  # before the processors modify logits
         scores = processors(ids[:, :length], logits)
-        if generation_config.do_sample:
-            next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-        else:
-            next_tokens = torch.argmax(scores, dim=-1)
+        next_tokens = _choose(scores, generation_config.do_sample)
         if eos_tensor is not None:
             next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
         ids[:, length] = next_tokens
@@ -248,6 +228,33 @@ def lean_generate(
     if return_logprobs:
         return ids[:, :length], logprobs[:, : length - prompt_length]
     return ids[:, :length]
+
+
+def _prefill(model, input_ids, attention_mask, positions, cache, cached_length):
+    """The prompt's forward (after the `cached_length` positions `cache` holds), projecting its last position only:
+    `(outputs, the KV cache)`; a model that returns no transformers `Cache` is remembered as unsupported."""
+    parameters = inspect.signature(_base_model(model).forward).parameters
+    outputs = model(
+        input_ids=input_ids[:, cached_length:],
+        attention_mask=attention_mask,
+        position_ids=positions[:, cached_length:],
+        use_cache=True,
+        **({"logits_to_keep": 1} if "logits_to_keep" in parameters else {}),  # the prompt's other logits: unused
+        **({cache_kwarg(model): cache} if cache is not None else {}),
+    )
+    cache = outputs.cache if getattr(outputs, "cache", None) is not None else outputs.past_key_values
+    if not isinstance(cache, Cache):
+        reason = f"{type(_base_model(model)).__name__} returns no transformers Cache from a forward with use_cache"
+        _unsupported_models[type(_base_model(model))] = reason
+        raise LeanDecodeUnsupported(reason)
+    return outputs, cache
+
+
+def _choose(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """The next token of each row from processed scores `(B, V)`: sampled from their softmax, or the argmax."""
+    if do_sample:
+        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    return torch.argmax(scores, dim=-1)
 
 
 def generate_chunk(

@@ -17,8 +17,50 @@ from ..core.token_ids import embedding_rows, in_table
 
 @dataclass
 class GenerationOptions:
-    """Every keyword of `generate_batched` after `generation_config`, with the same names and defaults (documented
-    there); pass one as `generate_batched(..., options=...)` instead of the keywords."""
+    """Every keyword of `generate_batched` after `generation_config`, with the same names and defaults; pass one as
+    `generate_batched(..., options=...)` instead of the keywords.
+
+    Attributes:
+        batch_size (`int`, *optional*):
+            Prompts per `generate` call. Defaults to all at once.
+        strip_prompt (`bool`, *optional*, defaults to `True`):
+            If `False`, `texts` hold prompt + completion (decoder-only models).
+        accelerator (`accelerate.Accelerator`, *optional*):
+            Used to unwrap DDP/DeepSpeed/FSDP models and to detect ZeRO-3.
+        gather_deepspeed3_params (`bool`, *optional*, defaults to `True`):
+            Gather ZeRO-3 parameters once per call (fast, needs the whole model in memory) instead of per layer.
+        images (`list[list[PIL.Image] | None]`, *optional*):
+            Images per prompt, for vision-language models with a processor.
+        videos (`list[list | None]`, *optional*):
+            Videos per prompt (each a list of frames, a `(T, H, W, C)` array or a path; see `data/vision.py`), for
+            vision-language models whose processor has a video processor.
+        pad_to_multiple_of (`int`, *optional*):
+            Pad each chunk's prompt length to a multiple of this.
+        chat_template_kwargs (`dict`, *optional*):
+            Extra arguments for `apply_chat_template`.
+        eos_token_ids (`list[int]`, *optional*):
+            Tokens that end a completion. Defaults to `get_eos_token_ids(model, processing_class)`.
+        shared_prefix (`bool`, *optional*, defaults to `False`):
+            Prefill each distinct prompt of a chunk once and expand its KV cache to the rows that repeat it (e.g. the
+            G completions of a group), then decode every row; greedy results equal the plain path. Chunks with image
+            inputs, encoder-decoder models, beam search and a non-dynamic `cache_implementation` take the plain path.
+        continuous_batching (`transformers.ContinuousBatchingConfig`, *optional*):
+            Generate with transformers' continuous batching (`model.generate_batch`, paged attention) instead of
+            padded `generate` calls (text-only decoder models; `batch_size` is then ignored).
+        lean_decoding (`bool`, *optional*, defaults to `True`):
+            Decode with the lean loop of generation/lean.py (the same tokens as `model.generate`, less work per token)
+            where the model and options allow it, `model.generate` elsewhere (the reason logged once); on CPU,
+            multiply by prepacked float32 linear weights while decoding (generation/packed_weights.py). False: always
+            `model.generate`, with the model's own linear layers.
+        return_logprobs (`bool`, *optional*, defaults to `False`):
+            Fill `GenerationOutput.logprobs` with each completion token's log-prob at the sampling temperature, read
+            from the logits decoding computed (see `lean.lean_generate`); left None when any chunk was decoded by
+            `model.generate`.
+        vllm (`VLLMEngine`, *optional*):
+            Generate with this vLLM engine (generation/vllm_engine.py, `use_vllm=True`) instead of the model: the
+            prompts are sent as token ids, a group of identical prompts once with `n` = its size; the sampled
+            tokens' log-probs come back (kept with `return_logprobs`). Text-only; `batch_size` does not apply.
+    """
 
     batch_size: int | None = None
     strip_prompt: bool = True
