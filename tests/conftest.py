@@ -63,3 +63,11 @@ def qwen2_model(tokenizer):
 @pytest.fixture
 def llama_model(tokenizer):
     return build_causal_lm(tokenizer, "llama")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that launch several processes (the `distributed` marker, and the command-line tests that launch with
+    accelerate) share one xdist worker, so that at most one multi-process launch runs at a time on the 2 cores."""
+    for item in items:
+        if item.get_closest_marker("distributed") or item.get_closest_marker("multiprocess"):
+            item.add_marker(pytest.mark.xdist_group("multiprocess"))

@@ -49,6 +49,7 @@ def test_launch_flags_go_to_accelerate_and_the_rest_to_the_script():
         accelerate_config_argument(["--accelerate_config", "no-such-config"])
 
 
+@pytest.mark.slow  # ~40 s; the flag split and the YAML parsing have their own unit tests above
 def test_rloo_from_a_yaml_config_with_command_line_overrides(llama_path, tmp_path):
     (tmp_path / "prompts").mkdir()
     (tmp_path / "prompts" / "train.jsonl").write_text("".join(f'{{"prompt": "a b {w}"}}\n' for w in "cdefgh"))

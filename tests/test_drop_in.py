@@ -191,6 +191,7 @@ def test_cast_lm_head_to_fp32_keeps_the_head_and_logits_in_float32(llama_path, t
     trainer.train()
 
 
+@pytest.mark.slow  # ~30 s: paged attention on CPU
 def test_continuous_batching_generation(llama_path, tmp_path):
     """TRL's use_transformers_continuous_batching (and its deprecated alias use_transformers_paged) generate with
     transformers' generate_batch; the trainer trains on those completions."""

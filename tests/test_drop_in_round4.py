@@ -101,3 +101,21 @@ def test_peft_samples_equal_trls_at_step_zero(qwen2_path, tmp_path):
     ours = _first_completions(trl_unified, qwen2_path, tokenizer, tmp_path, 0.0)
     assert ours == _first_completions(trl, qwen2_path, tokenizer, tmp_path, 0.0)
     assert _first_completions(trl_unified, qwen2_path, tokenizer, tmp_path / "dropout", 0.1) == ours
+
+
+def test_fsdp_asked_for_on_cpu_is_named_before_training(llama_path, tmp_path, monkeypatch, caplog):
+    """accelerate engages FSDP only on accelerator devices: an FSDP launch on CPU runs unsharded, and the trainer
+    says so before training (the notice names the engine that runs and what is not sharded)."""
+    from trl_unified.core.engines import engine_notice
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch --config_file fsdp.yaml` sets
+    with caplog.at_level(logging.WARNING):
+        trainer = GRPOTrainer(
+            llama_path, lambda completions, **kw: [0.0] * len(completions),
+            args=tiny_run_args(GRPOConfig, tmp_path, max_steps=1), train_dataset=prompt_dataset(),
+        )  # fmt: skip
+    notice = engine_notice(trainer.accelerator, trainer.args)
+    assert notice is not None and notice in caplog.text
+    assert "FSDP was requested" in notice and "nothing is sharded" in notice and "NO on cpu" in notice
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    assert engine_notice(trainer.accelerator, trainer.args) is None

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -28,6 +29,7 @@ def run_example(name, args, tmp_path):
     return result
 
 
+@pytest.mark.slow
 def test_rloo_example_real_run_from_yaml_with_lora(llama_path, tmp_path):
     data_dir = tmp_path / "prompts"
     data_dir.mkdir()
@@ -60,6 +62,7 @@ def test_rloo_example_real_run_from_yaml_with_lora(llama_path, tmp_path):
     assert shapes == expected
 
 
+@pytest.mark.slow
 def test_grm_example_real_run_from_command_line(llama_path, tmp_path):
     data_dir = tmp_path / "judgments"
     data_dir.mkdir()
@@ -115,6 +118,7 @@ def test_rloo_demo_output_dir_holds_only_the_trained_model(tmp_path):
     assert (cache / "online-demo-base-model" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_grpo_demo_trains_and_saves(tmp_path):
     out = tmp_path / "grpo"
     result = run_example("grpo.py", ["--max_steps", "10", "--logging_steps", "2", "--output_dir", str(out)], tmp_path)
@@ -128,6 +132,7 @@ def test_grpo_demo_trains_and_saves(tmp_path):
     assert [n for n in trained if torch.equal(trained[n], initial[n]) and not n.endswith("k_proj.bias")] == []
 
 
+@pytest.mark.slow
 def test_dpo_and_kto_demos_learn_and_save(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -143,6 +148,7 @@ def test_dpo_and_kto_demos_learn_and_save(tmp_path):
         assert f"{trainer}Trainer" in (out / "README.md").read_text()
 
 
+@pytest.mark.slow
 def test_preference_example_real_run_from_command_line(llama_path, tmp_path):
     """The TRL-style CLI of examples/dpo.py: a model path, a local dataset folder (train/test splits), LoRA flags."""
     data_dir = tmp_path / "pairs"
@@ -165,6 +171,7 @@ def test_preference_example_real_run_from_command_line(llama_path, tmp_path):
     assert (out / "adapter_model.safetensors").exists() and not (out / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_ppo_demo_learns_and_saves_the_policy_only(tmp_path):
     out = tmp_path / "ppo"
     result = run_example("ppo.py", ["--output_dir", str(out)], tmp_path)

@@ -42,10 +42,10 @@ def run(kind, out, mode):
     [
         "rloo",
         pytest.param("rloo_mu2", marks=pytest.mark.slow),  # a variant of "rloo" (num_iterations=2): -m slow
-        "grm",
+        pytest.param("grm", marks=pytest.mark.slow),  # the SFT-style trainer: -m slow
         "dpo",
         pytest.param("dpo_precompute", marks=pytest.mark.slow),  # a variant of "dpo": -m slow
-        "ppo",
+        pytest.param("ppo", marks=pytest.mark.slow),  # the critic's checkpoint: -m slow
     ],
 )
 def test_resume_after_sigkill_matches_uninterrupted_run(kind, tmp_path):

@@ -96,7 +96,9 @@ def _assert_same(hidden_path, logits_path):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_hidden_state_path_equals_logits_path_in_values_and_gradients(qwen2_model, tokenizer, temperature, monkeypatch):
+def test_hidden_state_path_equals_logits_path_in_values_and_gradients(
+    qwen2_model, tokenizer, temperature, monkeypatch
+):
     """Chunks of 3 positions (several per row, across rows), a weighted loss with an entropy bonus under grad."""
     monkeypatch.setattr("trl_unified.core.lm_head._CHUNK_ELEMENTS", 3 * qwen2_model.config.vocab_size)
     ids, mask = batch(tokenizer)

@@ -35,7 +35,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("mode, code", [("normal", 0), ("exit3", 3), ("builtin_exit4", 4), ("raise", 1)])
+@pytest.mark.parametrize(
+    "mode, code",  # a clean end and an exception by default; the sys.exit / builtin exit codes with -m slow
+    [("normal", 0), pytest.param("exit3", 3, marks=pytest.mark.slow),
+     pytest.param("builtin_exit4", 4, marks=pytest.mark.slow), ("raise", 1)],
+)  # fmt: skip
+@pytest.mark.distributed  # several processes (a gloo group): one at a time under xdist
 def test_exit_status_and_output_survive_the_shutdown(mode, code, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-c", SCRIPT, str(_free_port()), mode], capture_output=True, text=True,

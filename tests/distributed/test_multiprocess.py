@@ -63,7 +63,11 @@ def test_grm_example_runs_with_two_processes(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("kind", ["rloo", "grpo", "grm", "dpo", "kto"])
+@pytest.mark.parametrize(
+    "kind",  # one online and one preference trainer by default; the others with -m slow
+    ["rloo", pytest.param("grpo", marks=pytest.mark.slow), pytest.param("grm", marks=pytest.mark.slow), "dpo",
+     pytest.param("kto", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_ddp_two_processes_equal_one_process_and_accumulation(kind, tmp_path):
     """2 processes x bs 4 == 1 process x bs 8 == bs 4 x accumulation 2 after 2 SGD steps (tolerance 1e-5)."""
     script = os.path.join(ROOT, "tests", "jobs", "run_equivalence.py")

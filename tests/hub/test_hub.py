@@ -13,7 +13,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TOKEN = "hf_thisIsASecretTestToken123"
 
 
-@pytest.mark.parametrize("kind", ["rloo", "rloo_peft", "grm", "dpo"])
+@pytest.mark.parametrize(
+    "kind",  # the PEFT case by default (adapter, card, tokenizer); full models with -m slow
+    [pytest.param("rloo", marks=pytest.mark.slow), "rloo_peft", pytest.param("grm", marks=pytest.mark.slow),
+     pytest.param("dpo", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_push_to_hub_uploads_model_tokenizer_and_card(kind, tmp_path):
     with HubStandIn() as hub:
         env = {

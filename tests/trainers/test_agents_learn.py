@@ -10,6 +10,7 @@ that calling is rare but not unheard of; GRPO with `environment_factory` must th
 
 import random
 
+import pytest
 import torch
 from datasets import Dataset
 
@@ -68,6 +69,7 @@ def format_warm_up(model, tokenizer, steps=400, call_rate=0.1, seed=1):
         optimizer.step()
 
 
+@pytest.mark.slow  # ~2 minutes; the tool loop is covered by tests/online/test_agents.py and the TRL equivalence
 def test_grpo_with_an_environment_learns_to_call_the_tool(tmp_path):
     torch.manual_seed(0)
     tokenizer = build_tool_tokenizer(corpus=["secret word ? red green blue"] * 4)

@@ -180,11 +180,12 @@ def token_scores(
     `log p = z[target] - logsumexp(z)` and `H = logsumexp(z) - sum_v softmax(z)_v z_v` in float32 (the formulas
     of `selective_log_softmax` and `entropy_from_logits`); `logits_stats(logits (1, n, V), targets (1, n))` runs
     without grad on each chunk. Chunks of `chunk_size` positions (from `_CHUNK_ELEMENTS` and `vocabulary`) run under
-    `checkpoint` when the hidden states require grad."""
+    `checkpoint` when the hidden states require grad and there is more than one chunk."""
     batch, width = targets.shape
     flat_hidden, flat_targets = hidden.reshape(batch * width, -1), targets.reshape(-1)
     chunk_size = chunk_size or max(1, _CHUNK_ELEMENTS // max(1, vocabulary or 1))
-    grad = torch.is_grad_enabled() and flat_hidden.requires_grad
+    # One chunk holds everything: checkpointing it would save nothing and recompute its logits.
+    grad = torch.is_grad_enabled() and flat_hidden.requires_grad and flat_hidden.size(0) > chunk_size
     options = (logits_fn, temperature, compute_entropy, entropy_requires_grad and grad, logits_stats)
     logps, entropies, sinks = [], [], []
     for start in range(0, flat_hidden.size(0), chunk_size):

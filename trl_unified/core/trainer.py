@@ -25,6 +25,7 @@ from ..hub.model_card import write_model_card
 from ..hub.papers import PAPERS
 from .batch import TensorBatch
 from .config import PolicyConfig
+from .engines import warn_if_engine_differs
 from .logprobs import TokenLogprobs, compute_token_logprobs, position_ids_from_mask
 from .models import (
     apply_peft,
@@ -131,6 +132,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
             compute_metrics=compute_metrics,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
+        warn_if_engine_differs(self.accelerator, self.args)
         self.eos_token_ids = get_eos_token_ids(self.model, processing_class)
         self.train_dataset = self.prepare_dataset(train_dataset, "train")
         self.eval_dataset = self._prepare_eval_datasets(eval_dataset)

@@ -1,0 +1,44 @@
+"""The distributed engine a run asked for against the one accelerate engaged: a loud notice before training when
+they differ.
+
+accelerate engages FSDP only on accelerator devices (CUDA, XPU, NPU, ...): a multi-process CPU launch is routed to
+`MULTI_CPU` (DDP over gloo) before FSDP is considered, so `accelerate launch --config_file fsdp.yaml` on CPUs trains
+with every process holding the whole model and nothing sharded. Sharding on CPU would need a launcher of our own
+around `torch.distributed.fsdp.fully_shard`, which trl_unified does not build (multi-process runs go through
+accelerate); the notice says what runs instead.
+"""
+
+import logging
+import os
+
+from accelerate.utils import DistributedType
+
+
+logger = logging.getLogger(__name__)
+
+
+def fsdp_requested(args) -> bool:
+    """Whether the launch or the config asks for FSDP (`ACCELERATE_USE_FSDP`, `TrainingArguments.fsdp`)."""
+    from_env = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
+    return from_env or bool(getattr(args, "fsdp", None))
+
+
+def engine_notice(accelerator, args) -> str | None:
+    """The notice for a run that asked for FSDP and got another engine, or None."""
+    if not fsdp_requested(args) or accelerator.distributed_type == DistributedType.FSDP:
+        return None
+    engine = accelerator.distributed_type.value
+    return (
+        f"FSDP was requested, but accelerate runs this job as {engine} on {accelerator.device.type}: accelerate "
+        "engages FSDP only on accelerator devices (CUDA, XPU, NPU, ...), and a CPU launch is routed to DDP over "
+        f"gloo. Each of the {accelerator.num_processes} process(es) holds the whole model, optimizer state included; "
+        "nothing is sharded. Launch on GPUs to shard, or use a DeepSpeed ZeRO config "
+        "(examples/accelerate_configs/deepspeed_zero3.yaml), which shards on CPU too."
+    )
+
+
+def warn_if_engine_differs(accelerator, args) -> None:
+    """Log `engine_notice` as a warning (once, on the main process) before training starts."""
+    notice = engine_notice(accelerator, args)
+    if notice is not None and accelerator.is_main_process:
+        logger.warning(notice)
