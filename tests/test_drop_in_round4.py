@@ -6,8 +6,8 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig
 
-from tests.helpers import PROMPTS, prompt_dataset, tiny_run_args
-from trl_unified import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer
+from tests.helpers import PROMPTS, prompt_dataset, rloo_args, tiny_run_args, varied_reward
+from trl_unified import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, RLOOTrainer
 
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
@@ -110,10 +110,8 @@ def test_fsdp_asked_for_on_cpu_is_named_before_training(llama_path, tmp_path, mo
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch --config_file fsdp.yaml` sets
     with caplog.at_level(logging.WARNING):
-        trainer = GRPOTrainer(
-            llama_path, lambda completions, **kw: [0.0] * len(completions),
-            args=tiny_run_args(GRPOConfig, tmp_path, max_steps=1), train_dataset=prompt_dataset(),
-        )  # fmt: skip
+        trainer = RLOOTrainer(llama_path, varied_reward, args=rloo_args(tmp_path, max_steps=1),
+                              train_dataset=prompt_dataset())  # fmt: skip
     notice = engine_notice(trainer.accelerator, trainer.args)
     assert notice is not None and notice in caplog.text
     assert "FSDP was requested" in notice and "nothing is sharded" in notice and "NO on cpu" in notice

@@ -197,3 +197,13 @@ def test_hidden_state_path_falls_back_where_the_head_does_not_give_the_logits(qw
     expected = compute_token_logprobs(qwen2_model, ids, mask, 3, from_hidden_states=False).logps
     torch.testing.assert_close(out, expected)
     assert "does not give its logits" in caplog.text
+
+
+def test_hidden_state_path_in_one_chunk_keeps_the_entropy_gradient(qwen2_model, tokenizer):
+    """With every position in one chunk (nothing checkpointed) an entropy bonus still carries its gradient."""
+    ids, mask = batch(tokenizer)
+    loss = lambda out: out.logps.sum() - 0.5 * out.entropy.sum()  # noqa: E731
+    options = dict(compute_entropy=True, entropy_requires_grad=True)
+    ours, theirs = _both_paths(qwen2_model, ids, mask, 5, loss, **options)
+    assert ours[0].entropy.requires_grad
+    _assert_same(ours, theirs)

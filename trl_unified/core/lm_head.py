@@ -184,14 +184,15 @@ def token_scores(
     batch, width = targets.shape
     flat_hidden, flat_targets = hidden.reshape(batch * width, -1), targets.reshape(-1)
     chunk_size = chunk_size or max(1, _CHUNK_ELEMENTS // max(1, vocabulary or 1))
+    grad = torch.is_grad_enabled() and flat_hidden.requires_grad
     # One chunk holds everything: checkpointing it would save nothing and recompute its logits.
-    grad = torch.is_grad_enabled() and flat_hidden.requires_grad and flat_hidden.size(0) > chunk_size
+    checkpointed = grad and flat_hidden.size(0) > chunk_size
     options = (logits_fn, temperature, compute_entropy, entropy_requires_grad and grad, logits_stats)
     logps, entropies, sinks = [], [], []
     for start in range(0, flat_hidden.size(0), chunk_size):
         sink = _Sink()
         arguments = (flat_hidden[start : start + chunk_size], flat_targets[start : start + chunk_size], sink, *options)
-        logp, entropy = checkpoint(_chunk, *arguments, use_reentrant=False) if grad else _chunk(*arguments)
+        logp, entropy = checkpoint(_chunk, *arguments, use_reentrant=False) if checkpointed else _chunk(*arguments)
         logps.append(logp)
         entropies.append(entropy if entropy is not None else sink.values.get("entropy"))
         sinks.append(sink.values)
