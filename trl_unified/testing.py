@@ -40,7 +40,10 @@ def build_tokenizer(words: list[str] | None = None, pad_token: str | None = "<pa
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
     core.train_from_iterator(
-        [" ".join(words)] * 2, trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS, min_frequency=1)
+        [" ".join(words)] * 2,
+        trainers.WordLevelTrainer(  # every word kept (the trainer's default cap is 30,000)
+            vocab_size=len(set(words)) + len(SPECIAL_TOKENS), special_tokens=SPECIAL_TOKENS, min_frequency=1
+        ),
     )
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,

@@ -164,9 +164,12 @@ def test_hidden_state_path_with_shared_prefix_rows_and_peft(tokenizer):
     assert (ref - ours[0].logps).abs().max() > 1e-3  # the adapter mattered
 
 
-def test_hidden_state_path_applies_the_models_logit_transform(tokenizer):
-    """Gemma 2 soft-caps its logits (`final_logit_softcapping`): the chunked head does too."""
+def test_hidden_state_path_applies_the_models_logit_transform(tokenizer, monkeypatch):
+    """Gemma 2 soft-caps its logits (`final_logit_softcapping`): the chunked head does too (a head that is not a plain
+    linear map: each chunk checkpointed, with a weighted entropy bonus)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    monkeypatch.setattr("trl_unified.core.lm_head._CHUNK_ELEMENTS", 3 * len(tokenizer))
 
     torch.manual_seed(0)
     config = Gemma2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -174,8 +177,36 @@ def test_hidden_state_path_applies_the_models_logit_transform(tokenizer):
                           pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     model = Gemma2ForCausalLM(config)
     ids, mask = batch(tokenizer)
-    ours, theirs = _both_paths(model, ids, mask, 4, lambda out: out.logps.sum())
+    weights = torch.tensor([[0.5, -1.0, 2.0, 1.0], [1.0, 0.25, -0.75, 3.0]])
+    loss = lambda out: (out.logps * weights).sum() - 0.1 * (out.entropy * weights).sum()  # noqa: E731
+    ours, theirs = _both_paths(model, ids, mask, 4, loss, temperature=0.8, compute_entropy=True,
+                               entropy_requires_grad=True)  # fmt: skip
     _assert_same(ours, theirs)
+
+
+def test_hidden_state_path_with_lora_on_the_head_and_an_fp32_head(tokenizer, monkeypatch):
+    """A LoRA adapter on the head itself (checkpointed module calls, the adapter's gradients), and
+    `cast_lm_head_to_fp32` on a bf16 model (the fused function, computing in the head's float32)."""
+    from peft import LoraConfig, get_peft_model
+
+    from trl_unified.core.models import cast_lm_head_to_fp32
+    from trl_unified.testing import build_causal_lm
+
+    monkeypatch.setattr("trl_unified.core.lm_head._CHUNK_ELEMENTS", 3 * len(tokenizer))
+    ids, mask = batch(tokenizer)
+    model = get_peft_model(build_causal_lm(tokenizer), LoraConfig(r=4, target_modules=["lm_head", "q_proj"]))
+    for _, module in model.named_modules():
+        if hasattr(module, "lora_B"):
+            torch.nn.init.normal_(module.lora_B["default"].weight, std=0.5)
+    ours, theirs = _both_paths(model, ids, mask, 5, lambda out: out.logps.sum())
+    _assert_same(ours, theirs)
+    assert any("lm_head.lora_A" in name for name in ours[1])
+    model = build_causal_lm(tokenizer).to(torch.bfloat16)
+    cast_lm_head_to_fp32(model)
+    ours, theirs = _both_paths(model, ids, mask, 5, lambda out: out.logps.sum())
+    torch.testing.assert_close(ours[0].logps, theirs[0].logps, rtol=1e-5, atol=1e-5)
+    for name, grad in theirs[1].items():  # bf16 parameters: gradients agree to bf16 rounding
+        torch.testing.assert_close(ours[1][name].float(), grad.float(), rtol=2e-2, atol=2e-3, msg=name)
 
 
 def test_hidden_state_path_falls_back_where_the_head_does_not_give_the_logits(qwen2_model, tokenizer, caplog):

@@ -30,8 +30,10 @@ from ..generation.fallbacks import report_fallback
 
 logger = logging.getLogger(__name__)
 
-# Positions per chunk: one chunk's float32 logits stay under this many elements.
-_CHUNK_ELEMENTS = 2**24
+# Positions per chunk: one chunk's float32 logits stay under this many elements (256 MB: 442 positions at 152k
+# tokens, as much as the head's own weight gradient at hidden size 442; the backward holds ~3 such chunk tensors).
+# Fewer, larger chunks pass over the (V, H) weight gradient fewer times.
+_CHUNK_ELEMENTS = 2**26
 
 # Models whose hidden-state path was checked against their own logits: model -> True (matches) / False.
 _VERIFIED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
@@ -136,6 +138,17 @@ class HiddenStateHead:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return apply_logit_transform(self.head(hidden), *self.transform)
 
+    def linear(self) -> tuple[torch.Tensor, float] | None:
+        """`(weight, scale)` where the head is a plain bias-free `nn.Linear` times a scale (no soft cap, no hooks but
+        `cast_lm_head_to_fp32`'s input cast), for the fused chunked function; None otherwise (LoRA on the head,
+        quantized heads, Gemma 2's soft cap: the checkpointed module call instead)."""
+        head, (scale, softcap) = self.head, self.transform
+        hooks = {*head._forward_pre_hooks.values(), *head._forward_hooks.values()}
+        hooks.discard(getattr(head, "_fp32_input", None))
+        if type(head) is not nn.Linear or head.bias is not None or softcap is not None or hooks:
+            return None
+        return head.weight, scale
+
     def matches(self, model_logits: torch.Tensor) -> bool:
         """Whether the head on the last captured position gives the model's own last-position logits `(B, 1, V)`
         (checked once per model; a mismatch turns the path off for that model, with a log line)."""
@@ -173,14 +186,17 @@ def token_scores(
     logits_stats: Callable | None = None,
     vocabulary: int | None = None,
     chunk_size: int | None = None,
+    linear: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """`(log-probs, entropies or None, stats)`, each `(B, C)`, of `targets` `(B, C)` from hidden states `(B, C, H)`.
 
     `logits_fn(h)` gives a chunk's logits `(n, V)`; they are divided by `temperature`, then
     `log p = z[target] - logsumexp(z)` and `H = logsumexp(z) - sum_v softmax(z)_v z_v` in float32 (the formulas
     of `selective_log_softmax` and `entropy_from_logits`); `logits_stats(logits (1, n, V), targets (1, n))` runs
-    without grad on each chunk. Chunks of `chunk_size` positions (from `_CHUNK_ELEMENTS` and `vocabulary`) run under
-    `checkpoint` when the hidden states require grad and there is more than one chunk."""
+    without grad on each chunk. Chunks of `chunk_size` positions (from `_CHUNK_ELEMENTS` and `vocabulary`) are
+    recomputed in the backward when the hidden states require grad and there is more than one chunk: by
+    `LinearTokenScores` where the head is a plain linear layer (`linear`: its weight and scale), else by running
+    each chunk under `checkpoint`."""
     batch, width = targets.shape
     flat_hidden, flat_targets = hidden.reshape(batch * width, -1), targets.reshape(-1)
     chunk_size = chunk_size or max(1, _CHUNK_ELEMENTS // max(1, vocabulary or 1))
@@ -188,6 +204,15 @@ def token_scores(
     # One chunk holds everything: checkpointing it would save nothing and recompute its logits.
     checkpointed = grad and flat_hidden.size(0) > chunk_size
     options = (logits_fn, temperature, compute_entropy, entropy_requires_grad and grad, logits_stats)
+    if checkpointed and linear is not None:
+        stats_out: dict[str, list[torch.Tensor]] = {}
+        weight, scale = linear
+        logp, entropy = LinearTokenScores.apply(flat_hidden, weight, flat_targets, scale / temperature, chunk_size,
+                                                compute_entropy, logits_stats, stats_out)  # fmt: skip
+        if not entropy_requires_grad:
+            entropy = entropy.detach()
+        stats = {name: torch.cat(values).view(batch, width) for name, values in stats_out.items()}
+        return logp.view(batch, width), entropy.view(batch, width) if compute_entropy else None, stats
     logps, entropies, sinks = [], [], []
     for start in range(0, flat_hidden.size(0), chunk_size):
         sink = _Sink()
@@ -219,3 +244,67 @@ def _chunk(hidden, targets, sink, logits_fn, temperature, compute_entropy, entro
                 for name, value in logits_stats(logits[None], targets[None]).items():
                     sink.values[name] = value[0]
     return logp, entropy
+
+
+class LinearTokenScores(torch.autograd.Function):
+    """Log-probs and entropies of `targets` under `z = factor * hidden @ weight.T`, chunk by chunk, each chunk's
+    logits recomputed in the backward into one gradient buffer (no autograd graph per chunk, no `(N, V)` tensor
+    beyond a chunk).
+
+    Forward, per chunk of n positions: `z` `(n, V)` float32, `lse = logsumexp(z)`, `log p_t = z_t - lse`, and
+    `H = lse - sum_v p_v z_v`; only `lse` and `H` `(N,)` are saved. Backward, with upstream gradients `g` (log-probs)
+    and `g_H` (entropies): `dz = g (onehot_t - p) - g_H p (log p + H)` (since `dH/dz = -p (log p + H)`), times
+    `factor`; `d hidden = dz @ weight` and `d weight += dz.T @ hidden` (skipped for a frozen head). The autocast state
+    of the forward is restored for the recompute, so both see the same logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, factor, chunk_size, compute_entropy, logits_stats, stats_out):
+        n = hidden.size(0)
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse, entropy = torch.empty_like(logp), torch.zeros_like(logp)
+        for start in range(0, n, chunk_size):
+            rows = slice(start, start + chunk_size)
+            z = LinearTokenScores._logits(hidden[rows], weight, factor)
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            logp[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
+            if compute_entropy:
+                entropy[rows] = lse[rows] - (torch.softmax(z, dim=-1) * z).sum(-1)
+            if logits_stats is not None:
+                for name, value in logits_stats(z[None], targets[None, rows]).items():
+                    stats_out.setdefault(name, []).append(value[0])
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.factor, ctx.chunk_size = factor, chunk_size
+        device = hidden.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None: its term is skipped
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        device, enabled, dtype = ctx.autocast
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            for start in range(0, hidden.size(0), ctx.chunk_size):
+                rows = slice(start, start + ctx.chunk_size)
+                log_p = LinearTokenScores._logits(hidden[rows], weight, ctx.factor).sub_(lse[rows, None])
+                p = log_p.exp()
+                dz = torch.zeros_like(p)
+                if grad_logp is not None:
+                    g = grad_logp[rows].float()
+                    dz.addcmul_(p, g[:, None], value=-1.0)
+                    dz.scatter_add_(1, targets[rows, None], g[:, None])
+                if grad_entropy is not None:
+                    dz.addcmul_(p * log_p.add_(entropy[rows, None]), grad_entropy[rows, None].float(), value=-1.0)
+                dz = dz.mul_(ctx.factor).to(weight.dtype)
+                if grad_hidden is not None:
+                    grad_hidden[rows] = (dz @ weight).to(hidden.dtype)
+                if grad_weight is not None:
+                    grad_weight.addmm_(dz.T, hidden[rows].to(weight.dtype))
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+    @staticmethod
+    def _logits(hidden, weight, factor):
+        z = (hidden.to(weight.dtype) @ weight.T).float()
+        return z.mul_(factor) if factor != 1.0 else z

@@ -167,7 +167,8 @@ def _score_rows(model, head: HiddenStateHead | None, inputs, scoring: dict):
         if head.matches(outputs.logits):
             hidden = head.hidden[:, -(logits_to_keep + 1) : -1]  # position t predicts token t + 1
             vocabulary = outputs.logits.size(-1)
-            return token_scores(hidden, targets, head.logits, vocabulary=vocabulary, **scoring), outputs, head
+            scores = token_scores(hidden, targets, head.logits, vocabulary=vocabulary, linear=head.linear(), **scoring)
+            return scores, outputs, head
     outputs = _forward(
         model, input_ids, attention_mask, logits_to_keep, logits_to_keep + 1, shared_prefix, positions, kwargs
     )

@@ -253,7 +253,8 @@ def cast_lm_head_to_fp32(model) -> None:
         )
     dtype = head.weight.dtype
     head.float()
-    head.register_forward_pre_hook(lambda module, args: (args[0].float(), *args[1:]))
+    head._fp32_input = lambda module, args: (args[0].float(), *args[1:])  # core/lm_head.py knows this hook
+    head.register_forward_pre_hook(head._fp32_input)
     embeddings = base.get_input_embeddings()
     if getattr(base.config.get_text_config(), "tie_word_embeddings", False) and embeddings is not None:
         embeddings.register_forward_hook(lambda module, args, output: output.to(dtype))
