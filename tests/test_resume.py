@@ -43,7 +43,7 @@ def run(kind, out, mode):
         "rloo",
         pytest.param("rloo_mu2", marks=pytest.mark.slow),  # a variant of "rloo" (num_iterations=2): -m slow
         pytest.param("grm", marks=pytest.mark.slow),  # the SFT-style trainer: -m slow
-        "dpo",
+        pytest.param("dpo", marks=pytest.mark.slow),  # the preference core's resume: -m slow
         pytest.param("dpo_precompute", marks=pytest.mark.slow),  # a variant of "dpo": -m slow
         pytest.param("ppo", marks=pytest.mark.slow),  # the critic's checkpoint: -m slow
     ],

@@ -59,6 +59,7 @@ def test_rloo_deepspeed_zero3_reference_stays_sharded_and_generation_gathers_onc
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # ZeRO-3 with RLOO stays in the default suite
 @needs_deepspeed
 def test_grm_deepspeed_zero2_trains_and_evaluates(tmp_path):
     summary = smoke("deepspeed_zero2.yaml", "grm", tmp_path)

@@ -52,6 +52,7 @@ def test_example_runs_with_two_processes(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # the RLOO example's 2-process run stays in the default suite
 def test_grm_example_runs_with_two_processes(tmp_path):
     out = tmp_path / "grm"
     result = launch([os.path.join(ROOT, "examples", "grm.py"), "--max_steps", "10", "--output_dir", str(out)])
