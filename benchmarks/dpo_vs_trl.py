@@ -17,7 +17,7 @@ Printed per implementation: median seconds per step (first step excluded), peak 
 
 Usage: python benchmarks/dpo_vs_trl.py [--trainer dpo|kto] [--workload default|long|both] [--vocab 8k|real]
     [--threads 2] [--steps 10] [--repeats 1] [--precompute_ref_log_probs] [--shared_prefix auto|false]
-    [--chunked_lm_head true|false]
+    [--chunked_lm_head true|false] [--padding_free true|false]
 """
 
 import argparse
@@ -33,7 +33,7 @@ import tempfile
 WORKLOADS = {"default": ((48, 9), (24, 17)), "long": ((396, 9), (32, 17))}  # (min words, spread) of prompt, completion
 
 
-def run_one(trainer, impl, model_path, steps, out, precompute, workload, shared_prefix, chunked_lm_head=None) -> None:
+def run_one(trainer, impl, model_path, steps, out, precompute, workload, shared_prefix, chunked_lm_head, padding_free):
     from datasets import Dataset
     from step_timer import PhaseTimer, StepTimer
     from transformers import PreTrainedTokenizerFast
@@ -61,6 +61,8 @@ def run_one(trainer, impl, model_path, steps, out, precompute, workload, shared_
     extra = {} if impl == "trl" else {"shared_prefix": {"auto": None, "false": False}[shared_prefix]}
     if impl != "trl" and chunked_lm_head is not None:
         extra["chunked_lm_head"] = chunked_lm_head == "true"
+    if impl != "trl" and padding_free is not None:
+        extra["padding_free"] = padding_free == "true"
     args = config_class(
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=8 if trainer == "dpo" else 16,  # KTO: 16 unpaired rows = 8 pairs
@@ -102,6 +104,7 @@ def main():
     parser.add_argument("--shared_prefix", choices=["auto", "false"], default="auto", help="ours only")
     parser.add_argument("--vocab", choices=["8k", "real"], default="8k", help="8k words, or real: Qwen2.5's size")
     parser.add_argument("--chunked_lm_head", choices=["true", "false"], default=None, help="ours only (default: true)")
+    parser.add_argument("--padding_free", choices=["true", "false"], default=None, help="ours only (default: false)")
     parser.add_argument("--child", nargs=3, metavar=("IMPL", "MODEL", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -110,6 +113,7 @@ def main():
         torch.set_num_threads(args.threads)
         impl, model, out = args.child
         options = (args.precompute_ref_log_probs, args.workload, args.shared_prefix, args.chunked_lm_head)
+        options += (args.padding_free,)
         run_one(args.trainer, impl, model, args.steps, out, *options)
         return
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -137,6 +141,7 @@ def compare(args, workload, model_path, workdir, env):
             options += ["--workload", workload, "--shared_prefix", args.shared_prefix]
             options += ["--precompute_ref_log_probs"] if args.precompute_ref_log_probs else []
             options += ["--chunked_lm_head", args.chunked_lm_head] if args.chunked_lm_head else []
+            options += ["--padding_free", args.padding_free] if args.padding_free else []
             cmd = [sys.executable, __file__, *options, "--child", impl, model_path, out]
             subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             results[impl].append(json.load(open(out)))

@@ -19,6 +19,7 @@ the LM head and its log-softmax dominate.
 
 Usage: python benchmarks/{rloo,grpo}_vs_trl.py [--workload both] [--vocab 8k|real] [--threads 2] [--steps 10]
     [--repeats 1] [--shared_prefix auto|false] [--lean_decoding true|false] [--chunked_lm_head true|false]
+    [--padding_free true|false]
 """
 
 import argparse
@@ -92,7 +93,7 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
         return [c.count("w1") / max(1, len(c.split())) for c in completions]
 
     timer, phases = StepTimer(), PhaseTimer()
-    options = ("shared_prefix", "lean_decoding", "chunked_lm_head")  # trl_unified's switches, when given
+    options = ("shared_prefix", "lean_decoding", "chunked_lm_head", "padding_free")  # trl_unified's, when given
     ours_only = {} if impl == "trl" else {k: workload[k] for k in options if workload[k] is not None}
     args = config_class(
         output_dir=tempfile.mkdtemp(),
@@ -152,6 +153,7 @@ def main(trainer: str):
         "--vocab", choices=sorted(VOCABULARIES), default="8k", help="8k words, or real: Qwen2.5's size"
     )
     parser.add_argument("--chunked_lm_head", choices=["true", "false"], default=None, help="ours only (default: true)")
+    parser.add_argument("--padding_free", choices=["true", "false"], default=None, help="ours only (default: false)")
     parser.add_argument("--child", nargs=4, metavar=("IMPL", "MODEL", "OUT", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -163,6 +165,7 @@ def main(trainer: str):
             "shared_prefix": {None: None, "auto": "auto", "false": False}[args.shared_prefix],
             "lean_decoding": {None: None, "true": True, "false": False}[args.lean_decoding],
             "chunked_lm_head": {None: None, "true": True, "false": False}[args.chunked_lm_head],
+            "padding_free": {None: None, "true": True, "false": False}[args.padding_free],
         }
         run_one(trainer, args.child[0], args.child[1], args.steps, args.child[2], workload)
         return
@@ -201,6 +204,7 @@ def compare(trainer, name, args, model_path, workdir, env):
                 *(["--shared_prefix", args.shared_prefix] if args.shared_prefix else []),
                 *(["--lean_decoding", args.lean_decoding] if args.lean_decoding else []),
                 *(["--chunked_lm_head", args.chunked_lm_head] if args.chunked_lm_head else []),
+                *(["--padding_free", args.padding_free] if args.padding_free else []),
                 "--child",
                 impl,
                 model_path,

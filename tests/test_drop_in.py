@@ -258,12 +258,6 @@ def test_dpo_compute_metrics_gets_the_logits_and_labels(llama_path, tmp_path):
     assert seen[0][0][0] == 2 * len(PAIRS["prompt"])  # chosen and rejected rows
 
 
-def test_dpo_padding_free_warns_and_pads_as_trl(tmp_path):
-    with pytest.warns(UserWarning, match="padding_free=True"):
-        args = pref_args(DPOConfig, tmp_path, padding_free=True)
-    assert args.padding_free is False
-
-
 def test_kto_takes_integer_labels_and_counts_one_sided_data_right(llama_path, tmp_path, caplog):
     data = {"prompt": PAIRS["prompt"], "completion": PAIRS["chosen"], "label": [1, 0] * 4}
     trainer = KTOTrainer(llama_path, args=pref_args(KTOConfig, tmp_path), train_dataset=Dataset.from_dict(data))

@@ -238,3 +238,36 @@ def test_hidden_state_path_in_one_chunk_keeps_the_entropy_gradient(qwen2_model, 
     ours, theirs = _both_paths(qwen2_model, ids, mask, 5, loss, **options)
     assert ours[0].entropy.requires_grad
     _assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("from_hidden_states", [True, False])
+def test_shared_logprobs_with_detached_rows_equal_two_passes(qwen2_model, from_hidden_states):
+    """KTO's policy pass: rows 0-2 with grad, rows 3-5 (the same prompts, other completions) without; each prompt
+    encoded once. The same values as two plain passes; gradients from the first rows only."""
+    from trl_unified.core.logprobs import compute_shared_logprobs
+
+    prompts = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11], [0, 0, 12, 13]])
+    completions = torch.tensor([[20, 21, 22], [23, 24, 0], [25, 0, 0], [26, 27, 0], [28, 29, 30], [31, 0, 0]])
+    ids = torch.cat([prompts.repeat(2, 1), completions], 1)
+    mask = (ids != 0).long()
+    options = dict(temperature=0.7, compute_entropy=True, from_hidden_states=from_hidden_states)
+    compute_token_logprobs(qwen2_model, ids, mask, 3, **options)  # the head's once-per-model check
+    qwen2_model.zero_grad(set_to_none=True)
+    out, detached = compute_shared_logprobs(qwen2_model, ids, mask, 3, detached_rows=3, **options)
+    (out.logps * mask[:3, -3:]).sum().backward()
+    shared_grads = _grads(qwen2_model)
+    plain = compute_token_logprobs(qwen2_model, ids[:3], mask[:3], 3, **options)
+    (plain.logps * mask[:3, -3:]).sum().backward()
+    plain_grads = _grads(qwen2_model)
+    with torch.no_grad():
+        plain_detached = compute_token_logprobs(qwen2_model, ids[3:], mask[3:], 3, **options).logps
+    keep = mask[:, -3:].bool()
+    torch.testing.assert_close(out.logps[keep[:3]], plain.logps[keep[:3]], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.entropy[keep[:3]], plain.entropy[keep[:3]], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(detached[keep[3:]], plain_detached[keep[3:]], rtol=1e-5, atol=1e-5)
+    assert not detached.requires_grad and shared_grads.keys() == plain_grads.keys()
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    distinct = torch.cat([prompts, prompts + 40], 1).view(6, 4)  # six different prompts: nothing to share
+    distinct_ids = torch.cat([distinct, completions], 1)
+    assert compute_shared_logprobs(qwen2_model, distinct_ids, (distinct_ids != 0).long(), 3, 3, **options) is None

@@ -286,8 +286,10 @@ def test_preference_trainers_share_prompts_by_default_with_the_plain_numbers(
     if name == "DPO" and config.get("truncation_mode") != "keep_end":
         # every policy and reference forward encoded the 4 prompts of a batch once for their 8 rows
         assert calls and set(calls) == {(8, 4)}, calls
-    if name == "KTO":  # the reference forward joins each batch's 4 completions and 4 KL rows: 4 prompts, once each
-        assert calls == [(8, 4)] * 2, calls
+    if name == "KTO":
+        # the reference forward joins each batch's 4 completions and 4 KL rows: 4 prompts, once each; so does the
+        # policy pass (KL rows without grad) from step 2 on (step 1 first checks the chunked head on two passes)
+        assert calls == [(8, 4)] * 3, calls
     count = len(calls)
     plain = _train_preference(path, tmp_path, name, shared_prefix=False, **config)
     assert len(calls) == count  # off means off

@@ -225,6 +225,18 @@ class PolicyConfig(TrainingArguments):
         },
     )
 
+    padding_free: bool = field(
+        default=False,
+        metadata={
+            "help": "Run the policy, reference and old-log-prob passes (DPO/KTO: the preference passes) on the rows "
+            "packed into one sequence without padding, positions restarting at each row (core/packing.py); the "
+            "same numbers. Pays with FlashAttention 2/3 (variable-length kernels); on sdpa / eager the attention "
+            "takes a dense block-diagonal mask, so it pays only for short rows of very different lengths. Replaces "
+            "prompt sharing in those passes. TRL: a DPO field (disabled in TRL 1.16); trl_unified: every trainer "
+            "that scores completions."
+        },
+    )
+
     lean_decoding: bool = field(
         default=True,
         metadata={
@@ -252,6 +264,11 @@ class PolicyConfig(TrainingArguments):
             )
         if self.shared_prefix not in (None, True, False):
             raise ValueError(f"shared_prefix={self.shared_prefix!r} must be None (auto), True or False.")
+        if self.padding_free and self.shared_prefix is True:
+            raise ValueError(
+                "padding_free=True packs the rows of the log-prob passes, where shared_prefix=True demands prompt "
+                "sharing: choose one (shared_prefix=None keeps prompt sharing in generation)."
+            )
         super().__post_init__()
         self._check_unimplemented_fields()
         self._check_generation_fields()

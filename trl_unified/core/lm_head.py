@@ -113,7 +113,7 @@ class HiddenStateHead:
             elif _sharded(getattr(head, "weight", None)):
                 reason = "the LM head is sharded outside the forward (ZeRO-3 / FSDP)"
         if reason is not None:
-            report_fallback("log-probs from hidden states", reason)
+            report_fallback("log-probs", reason, "chunked_lm_head")
             return None
         return cls(model, decoder, head, logit_transform(bare))
 
@@ -149,23 +149,25 @@ class HiddenStateHead:
             return None
         return head.weight, scale
 
+    def checked(self) -> bool:
+        """Whether `matches` has already compared this model's head with its logits (it then runs no check)."""
+        return _bare(self.model) in _VERIFIED
+
     def matches(self, model_logits: torch.Tensor) -> bool:
         """Whether the head on the last captured position gives the model's own last-position logits `(B, 1, V)`
         (checked once per model; a mismatch turns the path off for that model, with a log line)."""
         bare = _bare(self.model)
         if bare not in _VERIFIED and self.hidden is None:
             _VERIFIED[bare] = False
-            report_fallback("log-probs from hidden states", f"{type(bare).__name__}'s forward skips its decoder")
+            report_fallback("log-probs", f"{type(bare).__name__}'s forward skips its decoder", "chunked_lm_head")
         if bare not in _VERIFIED:
             with torch.no_grad():
                 ours = self.logits(self.hidden[:, -1:]).float()
                 theirs = model_logits[:, -1:].float()
                 _VERIFIED[bare] = ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=1e-3, atol=1e-3)
             if not _VERIFIED[bare]:
-                report_fallback(
-                    "log-probs from hidden states",
-                    f"{type(bare).__name__}'s decoder output times its LM head does not give its logits",
-                )
+                reason = f"{type(bare).__name__}'s decoder output times its LM head does not give its logits"
+                report_fallback("log-probs", reason, "chunked_lm_head")
         return _VERIFIED[bare]
 
 

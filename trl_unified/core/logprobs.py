@@ -6,10 +6,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from transformers import Cache
 
 from ..generation.fallbacks import report_fallback
-from ..generation.sharing import PrefixSharingUnsupported, cache_kwarg, encode_prefix, group_prompts
+from ..generation.sharing import PrefixSharingUnsupported, cache_kwarg, encode_prefix, group_prompts, split_rows
 from .lm_head import HiddenStateHead, token_scores
+from .packing import PackedRows, check_packing, packing_obstacle
 from .token_ids import embedding_rows, mask_padding
 
 
@@ -92,6 +94,7 @@ def compute_token_logprobs(
     position_ids: torch.Tensor | None = None,
     logits_stats: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]] | None = None,
     from_hidden_states: bool = True,
+    padding_free: bool = False,
     **forward_kwargs,
 ) -> TokenLogprobs:
     """Log-probs of the last `logits_to_keep` tokens of `input_ids` under `model`, logits divided by `temperature`.
@@ -119,6 +122,9 @@ def compute_token_logprobs(
         logits_stats (`Callable`, *optional*): called without grad on scaled logits `(b, n, V)` and their targets
             `(b, n)`; returns `(b, n)` per-token tensors by name, gathered into `TokenLogprobs.stats`.
         from_hidden_states (`bool`, defaults to `True`): the chunked head path above; False: the model's logits.
+        padding_free (`bool`, defaults to `False`): run each batch of rows as one packed row without padding, the
+            positions counted from each row's first real token (`core/packing.py`); exclusive with `shared_prefix`
+            and `position_ids`. Where the rows or the model cannot be packed, the padded rows, reported once.
         **forward_kwargs: other model inputs with a leading batch dimension (e.g. `token_type_ids`), or, for
             vision-language models, the full image tensors (then `batch_size` must cover the whole batch).
 
@@ -126,6 +132,8 @@ def compute_token_logprobs(
         `TokenLogprobs` with `logps` `(B, C)` float32, e.g. `(out.logps * completion_mask).sum(1)` per sequence.
     """
     batch_size = batch_size or input_ids.size(0)
+    if padding_free:
+        padding_free = _may_pack(model, shared_prefix, position_ids, forward_kwargs)
     input_ids = mask_padding(input_ids, attention_mask, embedding_rows(model))  # a pad beyond the table: read as 0
     head = HiddenStateHead.of(model) if from_hidden_states else None
     scoring = dict(temperature=temperature, compute_entropy=compute_entropy,
@@ -133,17 +141,16 @@ def compute_token_logprobs(
     parts, aux_losses = [], []
     for start in range(0, input_ids.size(0), batch_size):
         rows = slice(start, start + batch_size)
-        kwargs = {
-            k: v[rows]
-            if isinstance(v, torch.Tensor) and v.size(0) == input_ids.size(0) and batch_size < input_ids.size(0)
-            else v
-            for k, v in forward_kwargs.items()
-        }
+        kwargs = _row_inputs(forward_kwargs, rows, input_ids.size(0), batch_size)
         if output_router_logits:
             kwargs["output_router_logits"] = True
         positions = None if position_ids is None else position_ids[rows]
         inputs = (input_ids[rows], attention_mask[rows], logits_to_keep, shared_prefix, positions, kwargs)
-        scores, outputs, head = _score_rows(model, head, inputs, scoring)
+        packed = _packed(model, inputs) if padding_free else None
+        if packed is not None:
+            scores, outputs, head = _score_packed(model, head, packed, kwargs, scoring)
+        else:
+            scores, outputs, head = _score_rows(model, head, inputs, scoring)
         parts.append(scores)
         if output_router_logits and getattr(outputs, "aux_loss", None) is not None:
             aux_losses.append(outputs.aux_loss)
@@ -153,6 +160,15 @@ def compute_token_logprobs(
         aux_loss=torch.stack(aux_losses).mean() if aux_losses else None,
         stats={name: torch.cat([stats[name] for _, _, stats in parts]) for name in parts[0][2]},
     )
+
+
+def _row_inputs(forward_kwargs: dict, rows: slice, num_rows: int, batch_size: int) -> dict:
+    """The model inputs of one batch of rows: per-row tensors sliced (image tensors of the whole batch stay whole)."""
+    if batch_size >= num_rows:
+        return dict(forward_kwargs)
+    return {
+        k: v[rows] if isinstance(v, torch.Tensor) and v.size(0) == num_rows else v for k, v in forward_kwargs.items()
+    }
 
 
 def _score_rows(model, head: HiddenStateHead | None, inputs, scoring: dict):
@@ -176,16 +192,106 @@ def _score_rows(model, head: HiddenStateHead | None, inputs, scoring: dict):
     return _scores_from_logits(logits, targets, **scoring), outputs, None
 
 
+def compute_shared_logprobs(
+    model, input_ids, attention_mask, logits_to_keep, detached_rows: int, position_ids=None, **options
+) -> tuple[TokenLogprobs, torch.Tensor] | None:
+    """`compute_token_logprobs(..., shared_prefix=True)` on the rows `[:B - k]`, and the log-probs `(k, C)` of the
+    `k = detached_rows` last rows without grad, each distinct prompt encoded once for both: e.g. KTO's completion
+    rows and their KL rows (same prompts; the KL term is a constant of the loss). The prompt pass is paid once, and
+    the detached rows add only a no-grad pass over their completion tokens. None (a cache that cannot be split is
+    reported once) where the prompts cannot be shared this way: the caller then runs the two passes.
+
+    `options`: `temperature`, `from_hidden_states`, `compute_entropy`, `entropy_requires_grad` and `logits_stats`
+    of `compute_token_logprobs`, for the rows with grad; the detached rows get log-probs only, at the same
+    temperature and through the same head path.
+    """
+    prompt_length, split = input_ids.size(1) - logits_to_keep, input_ids.size(0) - detached_rows
+    groups = group_prompts(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
+    head = HiddenStateHead.of(model) if options.pop("from_hidden_states", True) else None
+    # A first use of the head checks it against the logits and, failing, re-runs the forward: not on a used cache.
+    if groups is None or not 0 < detached_rows < input_ids.size(0) or (head is not None and not head.checked()):
+        return None
+    input_ids = mask_padding(input_ids, attention_mask, embedding_rows(model))
+    try:
+        cache = encode_prefix(model, input_ids, attention_mask, prompt_length - 1, groups, position_ids, expand=False)
+        caches = split_rows(model, cache, [groups[1][:split], groups[1][split:]])
+    except PrefixSharingUnsupported as e:
+        report_fallback("log-prob forward", str(e))
+        return None
+    inputs = [
+        (input_ids[r], attention_mask[r], logits_to_keep, c, None if position_ids is None else position_ids[r], {})
+        for r, c in zip((slice(0, split), slice(split, None)), caches, strict=True)
+    ]
+    scoring = dict(temperature=1.0, compute_entropy=False, entropy_requires_grad=False, logits_stats=None)
+    temperature = options.get("temperature", 1.0)
+    with torch.no_grad():
+        (detached, _, _), _, head = _score_rows(model, head, inputs[1], {**scoring, "temperature": temperature})
+    (logps, entropy, stats), _, _ = _score_rows(model, head, inputs[0], {**scoring, **options})
+    return TokenLogprobs(logps=logps, entropy=entropy, stats=stats), detached
+
+
+def _may_pack(model, shared_prefix: bool, position_ids, forward_kwargs: dict) -> bool:
+    """Whether a `padding_free` call may pack its rows: bad combinations raise, a model or inputs that cannot be
+    packed are reported once (`report_fallback`)."""
+    if shared_prefix:
+        raise ValueError("padding_free and shared_prefix are two layouts of the same forward: choose one.")
+    if position_ids is not None:
+        raise ValueError("padding_free counts positions from each row's first real token; do not pass position_ids.")
+    reason = packing_obstacle(model, forward_kwargs)
+    if reason is not None:
+        report_fallback("log-prob forward", reason, "padding_free")
+    return reason is None
+
+
+def _packed(model, inputs) -> PackedRows | None:
+    """The packed form of one batch of rows, or None (reported) where its rows or the model cannot be packed."""
+    input_ids, attention_mask, logits_to_keep = inputs[:3]
+    packed = PackedRows.build(input_ids, attention_mask, logits_to_keep)
+    if packed is None:
+        report_fallback("log-prob forward", "a row's real tokens are not one contiguous span", "padding_free")
+    elif packed.source.numel() == 0 or not check_packing(model, input_ids, attention_mask):
+        return None
+    return packed
+
+
+def _score_packed(model, head: HiddenStateHead | None, packed: PackedRows, kwargs: dict, scoring: dict):
+    """`_score_rows` on the packed row: only the scored positions are projected to the vocabulary (through `head`
+    in chunks, or the model's `logits_to_keep` given as their indices) and scattered back to `(B, C)`."""
+    # no cache: transformers reads packed position ids as sequence boundaries only without one
+    inputs = dict(kwargs, input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+    targets = packed.targets[None]
+    if head is not None:
+        with head.capture():
+            outputs = model(**inputs, logits_to_keep=1)
+        if head.matches(outputs.logits):
+            hidden = head.hidden[:, packed.source]  # (1, M, H)
+            vocabulary = outputs.logits.size(-1)
+            scores = token_scores(hidden, targets, head.logits, vocabulary=vocabulary, linear=head.linear(), **scoring)
+            return _scatter(scores, packed), outputs, head
+    outputs = model(**inputs, logits_to_keep=packed.source)
+    return _scatter(_scores_from_logits(outputs.logits, targets, **scoring), packed), outputs, None
+
+
+def _scatter(scores, packed: PackedRows):
+    logps, entropy, stats = scores
+    entropy = None if entropy is None else packed.scatter(entropy)
+    return packed.scatter(logps), entropy, {name: packed.scatter(value) for name, value in stats.items()}
+
+
 def _forward(model, input_ids, attention_mask, logits_to_keep, keep, shared_prefix, positions, kwargs):
     """The model's outputs on one batch of rows, projecting the last `keep` positions to the vocabulary: with
     `shared_prefix`, each distinct prompt but its last token encoded once and the rest run per row on its cache
-    (a model that cannot is reported once and run plainly)."""
+    (a model that cannot is reported once and run plainly); `shared_prefix` may also be that cache, built by the
+    caller (`compute_shared_logprobs`)."""
     kwargs = dict(kwargs)
     prompt_length = input_ids.size(1) - logits_to_keep
-    groups = group_prompts(input_ids[:, :prompt_length], attention_mask[:, :prompt_length]) if shared_prefix else None
-    if groups is not None:
+    prebuilt = shared_prefix if isinstance(shared_prefix, Cache) else None
+    groups = None
+    if shared_prefix and prebuilt is None:
+        groups = group_prompts(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
+    if groups is not None or prebuilt is not None:
         try:
-            cache = encode_prefix(model, input_ids, attention_mask, prompt_length - 1, groups, positions)
+            cache = prebuilt or encode_prefix(model, input_ids, attention_mask, prompt_length - 1, groups, positions)
             if positions is not None:
                 kwargs["position_ids"] = positions[:, prompt_length - 1 :]
             return model(

@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 # compute_token_logprobs options that are not model inputs
 _LOGPROB_OPTIONS = {
-    "compute_entropy", "entropy_requires_grad", "batch_size", "output_router_logits", "from_hidden_states"
+    "compute_entropy", "entropy_requires_grad", "batch_size", "output_router_logits", "from_hidden_states",
+    "padding_free",
 }  # fmt: skip
 
 
@@ -304,11 +305,14 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         autocast; `compute_token_logprobs`'s options pass through. Two class attributes shape every such forward:
         `repeats_prompts` (rows repeat their prompt, e.g. groups of G completions: each prompt is encoded once where
         `uses_shared_prefix` allows it) and `positions_from_mask` (position ids that skip left padding, as
-        generation numbers them: TRL's PPO)."""
+        generation numbers them: TRL's PPO). With `args.padding_free` the rows are packed instead (`core/packing.py`),
+        positions counted from each row's first token."""
         kwargs.setdefault("from_hidden_states", self.args.chunked_lm_head)
-        if self.positions_from_mask:
+        kwargs.setdefault("padding_free", self.args.padding_free)
+        if self.positions_from_mask and not kwargs["padding_free"]:  # packed rows count positions so already
             kwargs.setdefault("position_ids", position_ids_from_mask(attention_mask))
-        if self.repeats_prompts and "shared_prefix" not in kwargs:  # extra inputs (e.g. position ids) may rule it out
+        share = self.repeats_prompts and "shared_prefix" not in kwargs and not kwargs["padding_free"]
+        if share:  # extra inputs (e.g. position ids) may rule it out
             extra = {k: v for k, v in kwargs.items() if k not in _LOGPROB_OPTIONS}
             router_logits = kwargs.get("output_router_logits", False)
             kwargs["shared_prefix"] = self.uses_shared_prefix(model, "log-prob forward", extra, router_logits)

@@ -11,6 +11,7 @@ Fallbacks are reported once per reason by `report_fallback` (generation/fallback
 `trl_unified.generation.sharing`).
 """
 
+import copy
 import inspect
 
 import torch
@@ -54,7 +55,7 @@ def group_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[
     return first, inverse
 
 
-def encode_prefix(model, input_ids, attention_mask, length: int, groups, position_ids=None) -> Cache:
+def encode_prefix(model, input_ids, attention_mask, length: int, groups, position_ids=None, expand=True) -> Cache:
     """The KV cache of the first `length` positions, computed once per distinct prompt and indexed out to every row.
 
     Args:
@@ -66,10 +67,12 @@ def encode_prefix(model, input_ids, attention_mask, length: int, groups, positio
         groups (`tuple[torch.Tensor, torch.Tensor]`): `(first, inverse)` from `group_prompts`.
         position_ids (`torch.LongTensor`, *optional*): `(B, T)` positions (generation derives them from the mask);
             the model's default (`cache_position`) otherwise.
+        expand (`bool`, defaults to `True`): index the cache out to the `B` rows; False: one row per distinct prompt
+            (`split_rows` then makes caches for subsets of the rows).
 
     Returns:
-        (`transformers.Cache`): the cache with `B` rows. Under grad, the index from U to B rows is part of the
-            graph, so the backward of every row's loss flows into one prompt pass per group.
+        (`transformers.Cache`): the cache with `B` rows (`U` without `expand`). Under grad, the index from U to B
+            rows is part of the graph, so the backward of every row's loss flows into one prompt pass per group.
     """
     first, inverse = groups
     kwargs = {} if position_ids is None else {"position_ids": position_ids[first, :length]}
@@ -83,8 +86,26 @@ def encode_prefix(model, input_ids, attention_mask, length: int, groups, positio
         **kwargs,
     )
     cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+    return _select_rows(model, cache, inverse) if expand else cache
+
+
+def split_rows(model, cache: Cache, indices: list[torch.Tensor]) -> list[Cache]:
+    """Caches of the rows `indices[k]` of `cache` each (`encode_prefix(expand=False)`'s `U` rows indexed by a part
+    of `inverse`), sharing nothing that a forward on one of them would change: e.g. one for rows scored with grad,
+    one for rows scored without."""
+    if not isinstance(getattr(cache, "layers", None), list):
+        raise PrefixSharingUnsupported(f"its cache ({type(cache).__name__}) is not a list of layers to copy")
+    parts = []
+    for index in indices:
+        part = copy.copy(cache)
+        part.layers = [copy.copy(layer) for layer in cache.layers]  # a forward on `part` reassigns its layers' tensors
+        parts.append(_select_rows(model, part, index))
+    return parts
+
+
+def _select_rows(model, cache: Cache, index: torch.Tensor) -> Cache:
     try:
-        cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...)
+        cache.batch_select_indices(index)  # (U, ...) -> (len(index), ...)
     except (AttributeError, NotImplementedError, TypeError) as e:
         reason = f"its cache ({type(cache).__name__}) cannot be expanded by row ({e})"
         _unsupported[type(_base_model(model))] = reason

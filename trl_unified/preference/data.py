@@ -288,13 +288,14 @@ class SharedPromptLayout:
         targets = torch.where(valid[:, width_p:], original[:, width_p:] - 1, -1)  # (B, C)
         return cls(input_ids, valid.long(), original.clamp(min=0), targets)
 
-    def scatter(self, values: torch.Tensor, width: int) -> torch.Tensor:
-        """`(B, C)` per-completion-token values → the original `(B, width)` per-token layout (zero, False,
-        elsewhere)."""
+    def scatter(self, values: torch.Tensor, width: int, rows: slice = slice(None)) -> torch.Tensor:
+        """`(b, C)` per-completion-token values of the layout's rows `rows` (all by default) → the original
+        `(b, width)` per-token layout (zero, False, elsewhere)."""
+        targets = self.targets[rows]
         out = values.new_zeros(values.size(0), width)
-        keep = self.targets >= 0
-        rows = torch.arange(values.size(0), device=values.device)[:, None].expand_as(self.targets)
-        return out.index_put((rows[keep], self.targets[keep]), values[keep])
+        keep = targets >= 0
+        index = torch.arange(values.size(0), device=values.device)[:, None].expand_as(targets)
+        return out.index_put((index[keep], targets[keep]), values[keep])
 
 
 class _ReadsSequences:

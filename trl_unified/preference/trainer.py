@@ -12,7 +12,7 @@ from datasets import IterableDataset
 from torch.utils.data import DataLoader
 
 from ..core.config import PolicyConfig
-from ..core.logprobs import TokenLogprobs, compute_token_logprobs
+from ..core.logprobs import TokenLogprobs, compute_shared_logprobs, compute_token_logprobs
 from ..core.models import get_tokenizer
 from ..core.trainer import PolicyTrainerBase
 from ..data.datasets import check_images_fit, column_names, dataset_columns
@@ -197,15 +197,12 @@ class PreferenceTrainer(PolicyTrainerBase):
         """Per-token log-probs `(B, L - 1)` of `sequences.input_ids[:, 1:]` under `model` (temperature 1), zeroed
         outside the completion; with `stats`, the `TokenLogprobs` too (entropy, TRL's token statistics, aux loss)."""
         input_ids = sequences.input_ids
-        options = dict(
-            compute_entropy=stats,
-            logits_stats=preference_token_stats(getattr(self.args, "use_weighting", False)) if stats else None,
-            output_router_logits=stats and self.aux_loss_enabled,
-            from_hidden_states=self.args.chunked_lm_head,
-        )
+        options = self._logp_options(stats)
         extra = sequences.model_inputs()  # image tensors and per-token inputs of vision-language rows
         layout = None
-        if self.uses_shared_prefix(model, "log-prob forward", extra, router_logits=options["output_router_logits"]):
+        if self.args.padding_free:  # rows packed without padding (core/packing.py), instead of prompt sharing
+            options["padding_free"] = True
+        elif self.uses_shared_prefix(model, "log-prob forward", extra, router_logits=options["output_router_logits"]):
             layout = SharedPromptLayout.build(sequences, self._pad_token_id())
         with self.accelerator.autocast():
             if layout is not None:  # each distinct prompt encoded once (a pair's chosen and rejected rows share it)
@@ -231,6 +228,50 @@ class PreferenceTrainer(PolicyTrainerBase):
                 )
         logps = out.logps * sequences.completion_mask[:, 1:]
         return (logps, out) if stats else logps
+
+    def _logp_options(self, stats: bool) -> dict:
+        return dict(
+            compute_entropy=stats,
+            logits_stats=preference_token_stats(getattr(self.args, "use_weighting", False)) if stats else None,
+            output_router_logits=stats and self.aux_loss_enabled,
+            from_hidden_states=self.args.chunked_lm_head,
+        )
+
+    def completion_logps_and_detached(self, model, sequences: SequenceBatch, detached: SequenceBatch):
+        """`completion_logps(model, sequences, stats=True)` and, without grad, `completion_logps(model, detached)`,
+        where the rows of `detached` repeat the prompts of `sequences` (KTO's KL rows): each prompt is then encoded
+        once for both (`compute_shared_logprobs`), else two passes. Returns `(logps, TokenLogprobs,
+        detached_logps)`."""
+        shared = self._shared_completion_logps(model, sequences, detached)
+        if shared is not None:
+            return shared
+        logps, out = self.completion_logps(model, sequences, stats=True)
+        with torch.no_grad():
+            return logps, out, self.completion_logps(model, detached)
+
+    def _shared_completion_logps(self, model, sequences: SequenceBatch, detached: SequenceBatch):
+        joined = SequenceBatch.concat([sequences, detached], self._pad_token_id())
+        options = self._logp_options(stats=True)
+        router_logits = options.pop("output_router_logits")
+        if self.args.padding_free or not self.uses_shared_prefix(
+            model, "log-prob forward", joined.model_inputs(), router_logits=router_logits
+        ):
+            return None
+        layout = SharedPromptLayout.build(joined, self._pad_token_id())
+        if layout is None:
+            return None
+        with self.accelerator.autocast():
+            result = compute_shared_logprobs(
+                model, layout.input_ids, layout.attention_mask, layout.targets.size(1), len(detached),
+                position_ids=layout.position_ids, **options,
+            )  # fmt: skip
+        if result is None:
+            return None
+        out, detached_logps = result
+        width, first, second = joined.input_ids.size(1) - 1, slice(0, len(sequences)), slice(len(sequences), None)
+        out = out.map(lambda values: layout.scatter(values, width, first)[:, : sequences.input_ids.size(1) - 1])
+        detached_logps = layout.scatter(detached_logps, width, second)[:, : detached.input_ids.size(1) - 1]
+        return out.logps * sequences.completion_mask[:, 1:], out, detached_logps * detached.completion_mask[:, 1:]
 
     def reference_completion_logps(self, *sequences: SequenceBatch) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Per-token reference log-probs of one batch, or of several in one forward (rows of different batches that

@@ -43,6 +43,10 @@ class DistillationConfig(OnlineConfig):
     defaults (the sampling, vLLM, tool and logging fields are the online core's)."""
 
     _min_num_generations = 1
+    _unimplemented_fields = {
+        **OnlineConfig._unimplemented_fields,
+        "padding_free": "The student and teacher passes run on padded rows.",
+    }
 
     num_generations: int | None = option(1, "Completions sampled per prompt.")
     beta: float = option(1.0, "Generalized JSD interpolation: 0 forward KL, 1 reverse KL, 0.5 symmetric JSD.")

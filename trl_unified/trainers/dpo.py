@@ -48,10 +48,6 @@ class DPOConfig(PreferenceConfig):
     truncation_mode: str = field(
         default="keep_start", metadata={"help": "Keep the start ('keep_start') or end ('keep_end', deprecated)."}
     )
-    padding_free: bool = field(
-        default=False,
-        metadata={"help": "Flatten the batch without padding: disabled in TRL 1.16, which warns and pads; so do we."},
-    )
     loss_type: list[str] = field(
         default_factory=lambda: ["sigmoid"], metadata={"help": f"One or more of {', '.join(LOSS_TYPES)}."}
     )
@@ -98,13 +94,6 @@ class DPOConfig(PreferenceConfig):
             raise ValueError(f"truncation_mode={self.truncation_mode!r} must be 'keep_start' or 'keep_end'.")
         if "robust" in self.loss_type and not 0.0 <= self.label_smoothing < 0.5:
             warnings.warn(f"label_smoothing={self.label_smoothing} should be in [0, 0.5) for 'robust'.", stacklevel=2)
-        if self.padding_free:
-            warnings.warn(
-                "`padding_free=True` is temporarily unavailable after a refactor and is currently disabled. Falling "
-                "back to standard padding (`padding_free=False`), as TRL 1.16 does.",
-                stacklevel=2,
-            )
-            self.padding_free = False
         for name, value, advice in (
             ("pad_token", self.pad_token is not None, "set tokenizer.pad_token instead"),
             ("truncation_mode='keep_end'", self.truncation_mode == "keep_end", "use 'keep_start'"),

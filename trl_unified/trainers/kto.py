@@ -139,7 +139,12 @@ class KTOTrainer(PreferenceTrainer):
     def compute_policy_loss(self, model, inputs: UnpairedBatch, num_items_in_batch=None):
         args, beta = self.args, self.beta
         desirable = inputs.label.bool()
-        per_token, out = self.completion_logps(model, inputs.sequences, stats=True)
+        if self._uses_kl():  # the KL rows share the completion rows' prompts: one prompt pass for both
+            per_token, out, kl_per_token = self.completion_logps_and_detached(
+                model, inputs.sequences, inputs.kl_sequences
+            )
+        else:
+            per_token, out = self.completion_logps(model, inputs.sequences, stats=True)
         if inputs.ref_logps is None:  # one reference forward: the completions and, for the KL term, the KL rows
             columns = self.reference_columns(inputs)
         else:
@@ -147,8 +152,7 @@ class KTOTrainer(PreferenceTrainer):
         ref_logps = columns["ref_logps"]
         logratios = per_token.sum(1) - ref_logps
         if self._uses_kl():
-            with torch.no_grad():
-                kl_logps = self.completion_logps(model, inputs.kl_sequences).sum(1)
+            kl_logps = kl_per_token.sum(1)
             ref_kl = columns["ref_KL_logps"]
             kl = self.accelerator.gather_for_metrics((kl_logps - ref_kl).mean().detach()).mean().clamp(min=0)
         else:

@@ -48,7 +48,11 @@ class PPOConfig(OnlineConfig):
     """Configuration of `PPOTrainer`: every field of TRL 1.12's `PPOConfig` with its name and default (the derived
     batch sizes are computed here), plus the online core's fields (reward functions, conversational prompts)."""
 
-    _unimplemented_fields = {**OnlineConfig._unimplemented_fields, "beta": "PPO's KL coefficient is `kl_coef`."}
+    _unimplemented_fields = {
+        **OnlineConfig._unimplemented_fields,
+        "beta": "PPO's KL coefficient is `kl_coef`.",
+        "padding_free": "The value head reads the policy's padded hidden states in the same forward.",
+    }
     _min_num_generations = 1
 
     learning_rate: float = option(3e-6, "The initial learning rate for AdamW.")

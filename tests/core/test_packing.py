@@ -1,0 +1,181 @@
+"""Padding-free forwards (`core/packing.py`): the rows packed into one sequence give the padded rows' log-probs,
+entropies, statistics and gradients; rows or models that cannot be packed take the padded path, reported."""
+
+import logging
+
+import pytest
+import torch
+
+from trl_unified import compute_token_logprobs
+from trl_unified.core import packing
+from trl_unified.core.packing import PackedRows
+from trl_unified.generation import fallbacks
+from trl_unified.preference.trainer import preference_token_stats
+
+
+def ragged_batch():
+    """Left-padded prompts of 2-4 tokens, right-padded completions of 1-4 tokens: the online layout."""
+    ids = torch.tensor(
+        [
+            [0, 0, 5, 6, 20, 21, 22, 23],
+            [0, 7, 8, 9, 24, 25, 0, 0],
+            [10, 11, 12, 13, 26, 0, 0, 0],
+        ]
+    )
+    mask = (ids != 0).long()
+    return ids, mask
+
+
+def _grads(model):
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_packed_rows_by_hand():
+    ids, mask = ragged_batch()
+    packed = PackedRows.build(ids, mask, 4)
+    assert packed.input_ids.tolist() == [[5, 6, 20, 21, 22, 23, 7, 8, 9, 24, 25, 10, 11, 12, 13, 26]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4]]
+    # scored: columns 4-7 of row 0 (4 tokens), 4-5 of row 1, 4 of row 2; each predicted by the token before it
+    assert packed.targets.tolist() == [20, 21, 22, 23, 24, 25, 26]
+    assert packed.source.tolist() == [1, 2, 3, 4, 8, 9, 14]
+    assert packed.rows.tolist() == [0, 0, 0, 0, 1, 1, 2] and packed.columns.tolist() == [0, 1, 2, 3, 0, 1, 0]
+    values = torch.arange(1.0, 8.0)[None]
+    assert packed.scatter(values).tolist() == [[1, 2, 3, 4], [5, 6, 0, 0], [7, 0, 0, 0]]
+    holes = mask.clone()
+    holes[0, 5] = 0
+    assert PackedRows.build(ids, holes, 4) is None
+
+
+@pytest.mark.parametrize("from_hidden_states", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_padding_free_equals_padded_in_values_and_gradients(qwen2_model, from_hidden_states, temperature, monkeypatch):
+    """A weighted loss with an entropy bonus under grad, the head in chunks of 3 positions (across rows)."""
+    monkeypatch.setattr("trl_unified.core.lm_head._CHUNK_ELEMENTS", 3 * qwen2_model.config.vocab_size)
+    ids, mask = ragged_batch()
+    completion = mask[:, -4:]
+    weights = torch.tensor([[0.5, -1.0, 2.0, 0.0], [1.0, 0.25, -0.75, 3.0], [1.5, -2.0, 1.0, 1.0]]) * completion
+    options = dict(temperature=temperature, compute_entropy=True, entropy_requires_grad=True,
+                   from_hidden_states=from_hidden_states)  # fmt: skip
+    seen = []
+    qwen2_model.model.register_forward_hook(lambda m, args, kwargs, out: seen.append(kwargs["input_ids"].shape),
+                                            with_kwargs=True)  # fmt: skip
+    results = []
+    for padding_free in (True, False):
+        out = compute_token_logprobs(qwen2_model, ids, mask, 4, padding_free=padding_free, **options)
+        ((out.logps * weights).sum() - 0.1 * (out.entropy * completion).sum()).backward()
+        results.append((out, _grads(qwen2_model)))
+    (packed, packed_grads), (padded, padded_grads) = results
+    assert seen == [(1, 11), (1, 5), (1, 16), (3, 8)]  # the once-per-model check (rows 0-1, row 1), packed, padded
+    torch.testing.assert_close(packed.logps * completion, padded.logps * completion, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed.entropy * completion, padded.entropy * completion, rtol=1e-5, atol=1e-5)
+    assert packed_grads.keys() == padded_grads.keys() and packed_grads["lm_head.weight"].abs().sum() > 0
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_padding_free_runs_one_row_of_real_tokens_and_keeps_statistics(qwen2_model):
+    """The decoder sees one row of the 16 real tokens (no padding); the preference statistics come back per token."""
+    seen = []
+    qwen2_model.model.register_forward_hook(lambda m, args, kwargs, out: seen.append(kwargs["input_ids"].shape),
+                                            with_kwargs=True)  # fmt: skip
+    ids, mask = ragged_batch()
+    stats = preference_token_stats(with_sum_sq_probs=True)
+    packed = compute_token_logprobs(qwen2_model, ids, mask, 4, padding_free=True, logits_stats=stats)
+    assert seen[-1] == (1, 16)
+    padded = compute_token_logprobs(qwen2_model, ids, mask, 4, logits_stats=stats)
+    scored = mask[:, -4:].bool()
+    for name in ("mean_logits", "log_sum_sq_probs"):
+        torch.testing.assert_close(packed.stats[name][scored], padded.stats[name][scored], rtol=1e-5, atol=1e-5)
+    assert torch.equal(packed.stats["is_top1"][scored], padded.stats["is_top1"][scored])
+    assert not packed.stats["is_top1"][~scored].any() and (packed.logps[~scored] == 0).all()
+
+
+class _IgnoresPositions(torch.nn.Module):
+    """A model whose forward drops `position_ids`: packed rows would attend to each other."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+        self.config = model.config
+
+    def forward(self, position_ids=None, **kwargs):
+        return self.inner(**kwargs)
+
+
+def test_a_model_that_mixes_packed_rows_is_caught_and_runs_padded(qwen2_model, monkeypatch, caplog):
+    monkeypatch.setattr(fallbacks, "_reported", set())
+    model = _IgnoresPositions(qwen2_model)
+    ids, mask = ragged_batch()
+    with caplog.at_level(logging.INFO, logger="trl_unified.core.packing"):
+        packed = compute_token_logprobs(model, ids, mask, 4, padding_free=True, from_hidden_states=False)
+    padded = compute_token_logprobs(model, ids, mask, 4, from_hidden_states=False)
+    torch.testing.assert_close(packed.logps, padded.logps)
+    assert "_IgnoresPositions does not attend within packed sequences only" in caplog.text
+    assert packing._VERIFIED[model] is False
+    assert packing._VERIFIED.get(qwen2_model) is None  # the inner model itself was never probed
+
+
+def test_padding_free_falls_back_on_rows_with_holes_and_refuses_other_layouts(qwen2_model, monkeypatch, caplog):
+    monkeypatch.setattr(fallbacks, "_reported", set())
+    ids, mask = ragged_batch()
+    mask[0, 5] = 0
+    with caplog.at_level(logging.INFO, logger="trl_unified.core.packing"):
+        packed = compute_token_logprobs(qwen2_model, ids, mask, 4, padding_free=True)
+    torch.testing.assert_close(packed.logps, compute_token_logprobs(qwen2_model, ids, mask, 4).logps)
+    assert "not one contiguous span" in caplog.text
+    with pytest.raises(ValueError, match="choose one"):
+        compute_token_logprobs(qwen2_model, ids, mask, 4, padding_free=True, shared_prefix=True)
+    with pytest.raises(ValueError, match="position_ids"):
+        compute_token_logprobs(qwen2_model, ids, mask, 4, padding_free=True, position_ids=mask.cumsum(1))
+
+
+# ---------------------------------------------------------------- trainers
+@pytest.mark.parametrize(
+    "name, config",
+    [("RLOO", {"beta": 0.1}), ("GRPO", {"num_iterations": 2, "beta": 0.1}), ("DPO", {}), ("KTO", {})],
+)
+def test_trainers_with_padding_free_train_to_the_padded_numbers(name, config, llama_path, tmp_path, monkeypatch):
+    """Policy, reference and old-log-prob passes (DPO/KTO: the preference passes, KTO's KL rows) packed: the logged
+    numbers and the parameters after 2 SGD steps equal those of the padded rows without prompt sharing."""
+    import trl_unified
+    import trl_unified.core.logprobs as logprobs
+    from tests.generation.test_prefix import _train, _train_preference
+
+    packed = []
+    original = logprobs._score_packed
+    monkeypatch.setattr(logprobs, "_score_packed", lambda *a, **k: packed.append(a[2].shape) or original(*a, **k))
+    if name in ("DPO", "KTO"):
+        run = lambda **options: _train_preference(llama_path, tmp_path, name, **options, **config)  # noqa: E731
+        keys = ["loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "logits/chosen", "entropy"]
+    else:
+        classes = getattr(trl_unified, f"{name}Trainer"), getattr(trl_unified, f"{name}Config")
+        run = lambda **options: _train(llama_path, tmp_path, *classes, **options, **config)  # noqa: E731
+        keys = ["loss", "kl", "entropy", "reward"]
+    with_packing = run(padding_free=True)
+    # 2 steps x policy + reference (GRPO: one rollout for both steps, its reference and old log-probs; KTO: + the KL
+    # rows' policy pass), each packed
+    assert len(packed) == {"RLOO": 4, "GRPO": 4, "DPO": 4, "KTO": 6}[name], packed
+    count = len(packed)
+    padded = run(shared_prefix=False)
+    assert len(packed) == count
+    for key in keys:
+        ours = [log[key] for log in with_packing.state.log_history if key in log]
+        ref = [log[key] for log in padded.state.log_history if key in log]
+        assert len(ours) == len(ref) > 0, key
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=1e-4, atol=1e-5, msg=key)
+    for (n, p), q in zip(with_packing.model.named_parameters(), padded.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_padding_free_config_checks(tmp_path):
+    from trl_unified import DistillationConfig, DPOConfig, GRPOConfig, PPOConfig
+
+    with pytest.raises(ValueError, match="choose one"):
+        GRPOConfig(output_dir=str(tmp_path), padding_free=True, shared_prefix=True, bf16=False)
+    with pytest.raises(NotImplementedError, match="padding_free=True is accepted for compatibility"):
+        DistillationConfig(output_dir=str(tmp_path), padding_free=True, bf16=False)
+    with pytest.raises(NotImplementedError, match="value head reads the policy's padded hidden states"):
+        PPOConfig(output_dir=str(tmp_path), padding_free=True, bf16=False)
+    assert DPOConfig(output_dir=str(tmp_path), padding_free=True, bf16=False).padding_free  # no longer reset
