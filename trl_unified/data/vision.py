@@ -143,7 +143,7 @@ class EncodedPrompts:
     visual_inputs: dict[str, torch.Tensor]
 
 
-def encode_prompts(processing_class, texts: list[str], images: list[list], videos=None) -> EncodedPrompts:
+def encode_visual_prompts(processing_class, texts: list[str], images: list[list], videos=None) -> EncodedPrompts:
     """One processor call for the batch (`images[i]` / `videos[i]` are those of `texts[i]`, possibly none)."""
     out = processing_class(
         text=texts,

@@ -11,18 +11,31 @@ def _deepspeed_zero3(accelerator) -> bool:
 
 
 @contextlib.contextmanager
+def zero3_gathered(parameters):
+    """The ZeRO-3 shards of `parameters` gathered into whole tensors for the block (`GatheredParameters`)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(parameters)):
+        yield
+
+
+def fsdp1_class():
+    """`torch.distributed.fsdp.FullyShardedDataParallel`, or None where torch has no FSDP."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover
+        return None
+    return FullyShardedDataParallel
+
+
+@contextlib.contextmanager
 def _gathered_parameters(model, accelerator, gather_deepspeed3_params: bool):
     """Gather ZeRO-3 shards once (or FSDP full params) for the whole generation call."""
     if _deepspeed_zero3(accelerator) and gather_deepspeed3_params:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        with zero3_gathered(model.parameters()):
             yield
         return
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    except ImportError:  # pragma: no cover
-        FSDP = None
+    FSDP = fsdp1_class()
     if FSDP is not None and isinstance(model, FSDP):
         with FSDP.summon_full_params(model, writeback=False, recurse=False):
             yield

@@ -37,7 +37,7 @@ import torch
 from transformers import GenerationConfig
 
 from .options import eos_ids
-from .unwrap import _deepspeed_zero3
+from .unwrap import _deepspeed_zero3, fsdp1_class, zero3_gathered
 
 
 logger = logging.getLogger(__name__)
@@ -112,15 +112,10 @@ def _full_parameters(model, accelerator, everything: bool):
     """ZeRO-3 with PEFT: every parameter gathered at once (merging needs base and adapter together); FSDP1: the full
     parameters summoned. Otherwise nothing (parameters are gathered one at a time)."""
     if _deepspeed_zero3(accelerator) and everything:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        with zero3_gathered(model.parameters()):
             yield
         return
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    except ImportError:  # pragma: no cover
-        FSDP = None
+    FSDP = fsdp1_class()
     wrapped = (getattr(accelerator, "_models", None) or [None])[0]
     if FSDP is not None and isinstance(wrapped, FSDP):
         with FSDP.summon_full_params(wrapped, writeback=False):
@@ -132,9 +127,7 @@ def _full_parameters(model, accelerator, everything: bool):
 @contextlib.contextmanager
 def _one_full_parameter(param, accelerator, skip: bool):
     if _deepspeed_zero3(accelerator) and not skip:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([param]):
+        with zero3_gathered([param]):
             yield
         return
     yield

@@ -23,7 +23,14 @@ from trl import extract_prompt, is_conversational, unpair_preference_dataset
 from ..core.batch import TensorBatch, scalar_field
 from ..core.models import get_tokenizer
 from ..data.datasets import column_names, pad
-from ..data.vision import EncodedPrompts, encode_prompts, has_visuals, render_conversation, row_images, row_videos
+from ..data.vision import (
+    EncodedPrompts,
+    encode_visual_prompts,
+    has_visuals,
+    render_conversation,
+    row_images,
+    row_videos,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -247,7 +254,7 @@ def pack_with_images(
 
 def _encode_image_prompts(processing_class, rows) -> EncodedPrompts:
     texts = [row["prompt_text"] for row in rows]
-    return encode_prompts(
+    return encode_visual_prompts(
         processing_class, texts, [row_images(row) for row in rows], [row_videos(row) for row in rows]
     )
 
