@@ -183,3 +183,22 @@ def test_4bit_layers_keep_their_gradient_after_generation_on_every_cpu(llama_pat
     layer(x).sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0
     assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
+
+
+def test_saving_a_composite_config_without_its_own_pad_id():
+    """Llava's config has no pad_token_id of its own (its text config has): saving must not read it (TRL's KTO/DPO
+    vision tests save a Llava checkpoint)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from trl_unified.core.token_ids import saved_without_unusable_pad
+
+    text = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=28, patch_size=14)  # fmt: skip
+    model = LlavaForConditionalGeneration(LlavaConfig(text_config=text, vision_config=vision, image_token_id=39))
+    model.config.get_text_config().pad_token_id = 45  # as Trainer.train copies a tokenizer's added pad id
+    assert not hasattr(model.config, "pad_token_id")
+    with saved_without_unusable_pad(model):
+        assert model.config.get_text_config().pad_token_id is None  # 45 is beyond the 40-row table
+    assert model.config.get_text_config().pad_token_id == 45

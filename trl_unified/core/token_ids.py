@@ -109,7 +109,8 @@ def saved_without_unusable_pad(model):
         getattr(base, "generation_config", None),
     ]
     configs = {id(c): c for c in configs if c is not None and not in_table(getattr(c, "pad_token_id", None), rows)}
-    unusable = [(c, c.pad_token_id) for c in configs.values() if c.pad_token_id is not None]
+    # a composite config (Llava's) may have no pad_token_id at all
+    unusable = [(c, c.pad_token_id) for c in configs.values() if getattr(c, "pad_token_id", None) is not None]
     for c, _ in unusable:
         c.pad_token_id = None
     try:
