@@ -1,6 +1,7 @@
-"""Run by test_multiprocess.py: 2 steps of RLOO, GRPO, GRM, DPO or KTO (apo_zero_unpaired, no per-device KL) with a
-given layout (ddp: 2 processes x bs 4; single: 1 x bs 8; ga: 1 x bs 4 x accumulation 2); the main process saves
-the final parameters."""
+"""Run by test_multiprocess.py and test_engines.py: 2 steps of RLOO, GRPO, GRM, DPO or KTO (apo_zero_unpaired, no
+per-device KL) with a given layout (ddp: 2 processes x bs 4; fsdp: the same under an FSDP2 accelerate config; single:
+1 x bs 8; ga: 1 x bs 4 x accumulation 2); the main process saves the final parameters (whole tensors) and whether
+they were sharded."""
 
 import sys
 
@@ -32,6 +33,7 @@ from trl_unified.testing import build_causal_lm, build_sequence_classifier, buil
 kind, out, layout = sys.argv[1], sys.argv[2], sys.argv[3]
 batch = {
     "ddp": dict(per_device_train_batch_size=4),
+    "fsdp": dict(per_device_train_batch_size=4),
     "single": dict(per_device_train_batch_size=8),
     "ga": dict(per_device_train_batch_size=4, gradient_accumulation_steps=2),
 }[layout]
@@ -123,12 +125,15 @@ else:
     )
     trainer = GRMTrainer(model, args=GRMConfig(**common), train_dataset=data, processing_class=tokenizer)
 trainer.train()
-params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+sharded = any(hasattr(p, "full_tensor") for p in unwrapped.parameters())  # FSDP2 parameters are DTensor shards
+params = {  # full_tensor() gathers a shard on every rank (a collective: each rank runs this line)
+    n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+    for n, p in unwrapped.named_parameters()
+}
 rank = trainer.accelerator.process_index
 logs = trainer.state.log_history
-torch.save(
-    {"params": params, "processes": trainer.accelerator.num_processes, "logs": logs},
-    f"{out}/{kind}-{layout}-rank{rank}.pt",
-)
+summary = {"params": params, "processes": trainer.accelerator.num_processes, "sharded": sharded}
+torch.save({**summary, "logs": logs}, f"{out}/{kind}-{layout}-rank{rank}.pt")
 if trainer.accelerator.is_main_process:
-    torch.save({"params": params, "processes": trainer.accelerator.num_processes}, f"{out}/{kind}-{layout}.pt")
+    torch.save(summary, f"{out}/{kind}-{layout}.pt")
