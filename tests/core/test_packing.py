@@ -141,7 +141,7 @@ def test_trainers_with_padding_free_train_to_the_padded_numbers(name, config, ll
     numbers and the parameters after 2 SGD steps equal those of the padded rows without prompt sharing."""
     import trl_unified
     import trl_unified.core.logprobs as logprobs
-    from tests.generation.test_prefix import _train, _train_preference
+    from tests.generation.test_prefix import _train, _train_preference, assert_same_run
 
     packed = []
     original = logprobs._score_packed
@@ -160,13 +160,7 @@ def test_trainers_with_padding_free_train_to_the_padded_numbers(name, config, ll
     count = len(packed)
     padded = run(shared_prefix=False)
     assert len(packed) == count
-    for key in keys:
-        ours = [log[key] for log in with_packing.state.log_history if key in log]
-        ref = [log[key] for log in padded.state.log_history if key in log]
-        assert len(ours) == len(ref) > 0, key
-        torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=1e-4, atol=1e-5, msg=key)
-    for (n, p), q in zip(with_packing.model.named_parameters(), padded.model.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
+    assert_same_run(with_packing, padded, keys)
 
 
 def test_padding_free_config_checks(tmp_path):

@@ -294,10 +294,15 @@ def test_preference_trainers_share_prompts_by_default_with_the_plain_numbers(
     plain = _train_preference(path, tmp_path, name, shared_prefix=False, **config)
     assert len(calls) == count  # off means off
     keys = ["loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "logits/chosen", "entropy"]
-    for key in keys + (["mean_token_accuracy"] if name == "DPO" else ["kl"]):
-        ours = [log[key] for log in shared.state.log_history if key in log]
-        ref = [log[key] for log in plain.state.log_history if key in log]
+    assert_same_run(shared, plain, keys + (["mean_token_accuracy"] if name == "DPO" else ["kl"]))
+
+
+def assert_same_run(trainer, other, keys):
+    """Two trainings logged the same values of `keys` (each logged at least once) and ended at the same parameters."""
+    for key in keys:
+        ours = [log[key] for log in trainer.state.log_history if key in log]
+        ref = [log[key] for log in other.state.log_history if key in log]
         assert len(ours) == len(ref) > 0, key
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=1e-4, atol=1e-5, msg=key)
-    for (n, p), q in zip(shared.model.named_parameters(), plain.model.parameters(), strict=True):
+    for (n, p), q in zip(trainer.model.named_parameters(), other.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
