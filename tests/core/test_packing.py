@@ -92,15 +92,88 @@ def test_padding_free_runs_one_row_of_real_tokens_and_keeps_statistics(qwen2_mod
     assert not packed.stats["is_top1"][~scored].any() and (packed.logps[~scored] == 0).all()
 
 
+def _spy_on_sdpa(monkeypatch):
+    """Record the key length and mask of each call `segmented_sdpa` makes to transformers' sdpa."""
+    packing.install_segmented_sdpa()
+    calls, forward = [], packing._SDPA["forward"]
+
+    def spy(module, query, key, value, attention_mask, *args, **kwargs):
+        calls.append((key.size(2), attention_mask is None))
+        return forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+    monkeypatch.setitem(packing._SDPA, "forward", spy)
+    return calls
+
+
+def test_segmented_sdpa_equals_the_block_diagonal_mask_and_passes_other_calls_through(monkeypatch):
+    """Each sequence's causal attention on its own equals sdpa with the block-diagonal causal mask; calls without
+    the boundaries, or with a sliding window a sequence outgrows, go to transformers' sdpa with their mask."""
+    calls = _spy_on_sdpa(monkeypatch)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 9, 8, generator=generator, requires_grad=True)
+    key, value = (torch.randn(1, 2, 9, 8, generator=generator, requires_grad=True) for _ in range(2))
+    bounds = torch.tensor([0, 4, 5, 9], dtype=torch.int32)
+    segment = torch.repeat_interleave(torch.arange(3), torch.tensor([4, 1, 4]))
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    mask = (causal & (segment[:, None] == segment[None, :]))[None, None]
+    out, _ = packing.segmented_sdpa(module, query, key, value, mask, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds)
+    assert calls == [(4, True), (1, True), (4, True)]  # per sequence, no mask
+    expected, _ = packing._SDPA["forward"](module, query, key, value, mask)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(out.square().sum(), (query, key, value))
+    for got, want in zip(grads, torch.autograd.grad(expected.square().sum(), (query, key, value)), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the masked kernel: 5e-6 where 0 is exact
+    calls.clear()
+    packing.segmented_sdpa(module, query, key, value, mask)  # no boundaries
+    packing.segmented_sdpa(module, query, key, value, mask, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
+                           sliding_window=3)  # fmt: skip
+    packing.segmented_sdpa(
+        module, query[:, :, -1:], key, value, mask[:, :, -1:], cu_seq_lens_q=bounds, cu_seq_lens_k=bounds
+    )  # fmt: skip  (one query over a cache: decoding)
+    assert calls == [(9, False), (9, False), (9, False)]
+
+
+def test_packed_forward_attends_per_sequence_also_under_gradient_checkpointing(qwen2_model, monkeypatch):
+    """The packed forward runs sdpa once per row and layer without a mask, and so does the recomputation under
+    gradient checkpointing (the boundaries travel in the layer's keyword arguments): the gradients equal the padded
+    forward's."""
+    calls = _spy_on_sdpa(monkeypatch)
+    ids, mask = ragged_batch()
+    if hasattr(qwen2_model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        qwen2_model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        qwen2_model.gradient_checkpointing_enable({"use_reentrant": False})
+    qwen2_model.train()
+    results = []
+    for padding_free in (True, False):
+        calls.clear()
+        out = compute_token_logprobs(qwen2_model, ids, mask, 4, padding_free=padding_free)
+        (out.logps * mask[:, -4:]).sum().backward()
+        results.append((out.logps * mask[:, -4:], _grads(qwen2_model), list(calls)))
+    (packed, packed_grads, packed_calls), (padded, padded_grads, padded_calls) = results
+    layers = qwen2_model.config.num_hidden_layers
+    # the check (rows 0-1 packed: 2 sequences), then the batch (3 sequences), forward and recomputation
+    assert packed_calls[: 2 * layers] == [(6, True), (5, True)] * layers
+    assert packed_calls[-6 * layers :] == [(6, True), (5, True), (5, True)] * 2 * layers
+    assert all(length == 8 for length, _ in padded_calls)  # the padded rows: transformers' sdpa on (3, 8)
+    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 class _IgnoresPositions(torch.nn.Module):
-    """A model whose forward drops `position_ids`: packed rows would attend to each other."""
+    """A model whose forward drops `position_ids` and the sequence boundaries: packed rows would attend to each
+    other."""
 
     def __init__(self, model):
         super().__init__()
         self.inner = model
         self.config = model.config
 
-    def forward(self, position_ids=None, **kwargs):
+    def forward(self, position_ids=None, cu_seq_lens_q=None, cu_seq_lens_k=None, **kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("max_length_q", "max_length_k")}
         return self.inner(**kwargs)
 
 

@@ -257,8 +257,7 @@ def _packed(model, inputs) -> PackedRows | None:
 def _score_packed(model, head: HiddenStateHead | None, packed: PackedRows, kwargs: dict, scoring: dict):
     """`_score_rows` on the packed row: only the scored positions are projected to the vocabulary (through `head`
     in chunks, or the model's `logits_to_keep` given as their indices) and scattered back to `(B, C)`."""
-    # no cache: transformers reads packed position ids as sequence boundaries only without one
-    inputs = dict(kwargs, input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+    inputs = dict(kwargs, **packed.forward_kwargs(model))
     targets = packed.targets[None]
     if head is not None:
         with head.capture():

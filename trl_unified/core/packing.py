@@ -9,9 +9,13 @@ sdpa / eager / flex through a block-diagonal causal mask built from the position
 are those of the padded forward with positions counted from each row's first real token, which is what generation
 uses, and for rotary models (Llama, Qwen, Mistral, Gemma, ...) the same function as any constant shift of positions.
 
-Where it pays: with FlashAttention the attention cost is Σ_i L_i² and the matmuls cover N tokens instead of
-`B · max_i L_i`. On sdpa / eager the block-diagonal mask is dense, `N²` entries instead of `B · L²`: the matmuls still
-shrink, the attention grows, so on CPU it pays only for short rows of very different lengths (`docs/lm_head.md`).
+The packed forward also passes the sequence boundaries as FlashAttention's keyword arguments (`cu_seq_lens_q/k`,
+`max_length_q/k`, as TRL's `DataCollatorWithFlattening` does). FlashAttention 2/3 runs its variable-length kernel on
+them; for sdpa, `segmented_sdpa` (registered over transformers' "sdpa" attention on the first packed forward, a
+pass-through for every other call) runs each sequence's causal attention on its own, so the attention costs
+`Σ_i L_i²` there too instead of a dense `N²` block-diagonal mask (whose backward also leaves sdpa's fused kernels).
+Eager and flex attention use the mask. Gradient checkpointing recomputes a layer with the same keyword arguments, so
+the recomputation takes the same path.
 
 Guards: each model is checked once on its first packed forward of two or more rows (the second row's logits packed
 must equal its logits alone, so a model whose attention ignores packed position ids, or that carries a recurrent
@@ -19,6 +23,7 @@ state across the boundary, is caught); rows whose real tokens are not contiguous
 `token_type_ids`) and encoder-decoder models take the padded path, with one log line (`report_fallback`).
 """
 
+import inspect
 import weakref
 from dataclasses import dataclass
 
@@ -44,6 +49,8 @@ class PackedRows:
         targets (`(M,)`): the scored tokens.
         rows, columns (`(M,)`): where each scored token's value goes in the `(B, C)` output.
         shape (`(B, C)`): the output shape (`C = logits_to_keep`).
+        boundaries (`(B + 1,)`, int32): where each row's sequence starts in the pack, and `N` (FlashAttention's
+            `cu_seq_lens`).
     """
 
     input_ids: torch.Tensor
@@ -53,6 +60,7 @@ class PackedRows:
     rows: torch.Tensor
     columns: torch.Tensor
     shape: tuple[int, int]
+    boundaries: torch.Tensor
 
     @classmethod
     def build(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> "PackedRows | None":
@@ -79,12 +87,77 @@ class PackedRows:
             rows=rows,
             columns=j,
             shape=(batch, logits_to_keep),
+            boundaries=torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32),
         )
+
+    def forward_kwargs(self, model) -> dict:
+        """The packed forward's inputs: the tokens, their positions, and (for a model whose forward passes keyword
+        arguments on to its attention) the sequence boundaries; no cache, so that transformers reads the restarting
+        positions as boundaries."""
+        inputs = dict(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=False)
+        if _passes_attention_kwargs(model):
+            install_segmented_sdpa()
+            longest = int((self.boundaries[1:] - self.boundaries[:-1]).max())
+            inputs.update(cu_seq_lens_q=self.boundaries, cu_seq_lens_k=self.boundaries,
+                          max_length_q=longest, max_length_k=longest)  # fmt: skip
+        return inputs
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """`(1, M)` per-scored-token values -> the `(B, C)` layout (zero / False where nothing is scored)."""
         out = values.new_zeros(self.shape)
         return out.index_put((self.rows, self.columns), values.reshape(-1))
+
+
+def _passes_attention_kwargs(model) -> bool:
+    """Whether the model's forward takes `**kwargs` (transformers models pass them on to their attention)."""
+    base = _bare(model)
+    parameters = inspect.signature(base.forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+_SDPA: dict = {}  # "forward": transformers' own sdpa attention, once `segmented_sdpa` is registered over it
+
+
+def install_segmented_sdpa() -> None:
+    """Register `segmented_sdpa` as transformers' "sdpa" attention (once per process; idempotent)."""
+    if _SDPA:
+        return
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    _SDPA["forward"] = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    AttentionInterface.register("sdpa", segmented_sdpa)
+
+
+def segmented_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
+    """transformers' sdpa attention, run on each packed sequence on its own when the call carries the sequence
+    boundaries (`cu_seq_lens_q` equal to `cu_seq_lens_k`, one packed row, queries and keys over the whole pack):
+    causal attention within `[b_i, b_{i+1})`, `Σ_i L_i²` work, the fused kernels forward and backward. Any other
+    call (no boundaries, a KV cache, continuous batching's paged keys, a position bias, a sliding window a sequence
+    is longer than, chunked attention) is passed through unchanged, to attend with transformers' mask.
+    The block-diagonal mask transformers built for the same boundaries is the same function; it is not used here."""
+    forward = _SDPA["forward"]
+    bounds_q, bounds_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    segmented = (
+        isinstance(bounds_q, torch.Tensor)
+        and (bounds_k is bounds_q or (isinstance(bounds_k, torch.Tensor) and torch.equal(bounds_k, bounds_q)))
+        and query.size(0) == 1
+        and query.size(2) == key.size(2) == int(bounds_q[-1])
+        and kwargs.get("position_bias") is None
+        and getattr(module, "is_causal", True)
+        and getattr(getattr(module, "config", None), "attention_chunk_size", None) is None
+    )
+    if segmented:
+        bounds = bounds_q.tolist()
+        window = kwargs.get("sliding_window")  # a window no sequence outgrows restricts nothing
+        segmented = window is None or max(b - a for a, b in zip(bounds[:-1], bounds[1:])) <= window
+    if not segmented:
+        return forward(module, query, key, value, attention_mask, *args, **kwargs)
+    outputs = [
+        forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, *args, **kwargs)[0]
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    return torch.cat(outputs, dim=1), None
 
 
 def packing_obstacle(model, forward_kwargs: dict) -> str | None:
@@ -104,8 +177,10 @@ def packing_obstacle(model, forward_kwargs: dict) -> str | None:
 
 def check_packing(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bool:
     """Whether `model` keeps packed sequences apart, checked once per model on two rows of the batch: the second
-    row's logits packed after the first must equal its logits alone (a mismatch is reported and turns packing off
-    for that model). Batches of one row need no check (nothing to keep apart) and leave the model unchecked."""
+    row's logits packed after the first must equal its logits alone, through the model's own attention and mask (no
+    sequence boundaries passed), so that the packed path is checked against the plain one (a mismatch is reported
+    and turns packing off for that model). Batches of one row need no check (nothing to keep apart) and leave the
+    model unchecked."""
     bare = _bare(model)
     if bare in _VERIFIED or input_ids.size(0) < 2:
         return _VERIFIED.get(bare, True)
@@ -116,8 +191,7 @@ def check_packing(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) 
     alone = PackedRows.build(input_ids[1:2], attention_mask[1:2], input_ids.size(1) - 1)
     module = model.module if hasattr(model, "module") else model  # a no-grad probe, outside DDP's bookkeeping
     with torch.no_grad():
-        together = module(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
-                          logits_to_keep=packed.source[second]).logits  # fmt: skip
+        together = module(**packed.forward_kwargs(model), logits_to_keep=packed.source[second]).logits
         apart = module(input_ids=alone.input_ids, position_ids=alone.position_ids, use_cache=False,
                        logits_to_keep=alone.source).logits  # fmt: skip
     tolerance = 1e-3 if together.dtype == torch.float32 else 5e-2
