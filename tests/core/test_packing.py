@@ -163,6 +163,18 @@ def test_packed_forward_attends_per_sequence_also_under_gradient_checkpointing(q
         torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_packed_rows_on_eager_attention_use_the_block_diagonal_mask(llama_model, monkeypatch):
+    """Eager attention takes transformers' block-diagonal mask (never the per-sequence sdpa): packed equals padded."""
+    calls = _spy_on_sdpa(monkeypatch)
+    llama_model.set_attn_implementation("eager")
+    ids, mask = ragged_batch()
+    packed = compute_token_logprobs(llama_model, ids, mask, 4, padding_free=True)
+    padded = compute_token_logprobs(llama_model, ids, mask, 4)
+    completion = mask[:, -4:]
+    torch.testing.assert_close(packed.logps * completion, padded.logps * completion, rtol=1e-5, atol=1e-5)
+    assert packing._VERIFIED[llama_model] is True and calls == []
+
+
 class _IgnoresPositions(torch.nn.Module):
     """A model whose forward drops `position_ids` and the sequence boundaries: packed rows would attend to each
     other."""

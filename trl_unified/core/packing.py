@@ -4,8 +4,8 @@ does for SFT.
 Rows of a batch end at different lengths (completions stop at their EOS, prompts differ), and a padded forward pays
 every layer's matmuls for the padding. Packed, the `B` rows become one row of `N = Σ_i L_i` real tokens whose position
 ids restart at 0 at each row's first token; transformers reads the restarts as sequence boundaries and attends
-within each sequence only: FlashAttention 2/3 through its variable-length kernel (no padding and no mask at all),
-sdpa / eager / flex through a block-diagonal causal mask built from the position ids (`masking_utils`). The log-probs
+within each sequence only (for eager / flex through a block-diagonal causal mask built from the position ids,
+`masking_utils`; FlashAttention and sdpa as below). The log-probs
 are those of the padded forward with positions counted from each row's first real token, which is what generation
 uses, and for rotary models (Llama, Qwen, Mistral, Gemma, ...) the same function as any constant shift of positions.
 
