@@ -240,6 +240,17 @@ def test_hidden_state_path_in_one_chunk_keeps_the_entropy_gradient(qwen2_model, 
     _assert_same(ours, theirs)
 
 
+def test_hidden_state_path_in_chunks_with_an_entropy_only_loss(qwen2_model, tokenizer, monkeypatch):
+    """Chunks of 2 positions and a loss of the entropies alone (no gradient reaches the log-probs): the chunked
+    backward's entropy-only branch equals the logits path."""
+    monkeypatch.setattr("trl_unified.core.lm_head._CHUNK_ELEMENTS", 2 * qwen2_model.config.vocab_size)
+    ids, mask = batch(tokenizer)
+    options = dict(compute_entropy=True, entropy_requires_grad=True)
+    ours, theirs = _both_paths(qwen2_model, ids, mask, 5, lambda out: out.entropy.sum(), **options)
+    _assert_same(ours, theirs)
+    assert ours[1]["lm_head.weight"].abs().sum() > 0
+
+
 @pytest.mark.parametrize("from_hidden_states", [True, False])
 def test_shared_logprobs_with_detached_rows_equal_two_passes(qwen2_model, from_hidden_states):
     """KTO's policy pass: rows 0-2 with grad, rows 3-5 (the same prompts, other completions) without; each prompt

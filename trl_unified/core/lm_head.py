@@ -267,13 +267,15 @@ class LinearTokenScores(torch.autograd.Function):
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
             z = LinearTokenScores._logits(hidden[rows], weight, factor)
-            lse[rows] = torch.logsumexp(z, dim=-1)
-            logp[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
-            if compute_entropy:
-                entropy[rows] = lse[rows] - (torch.softmax(z, dim=-1) * z).sum(-1)
             if logits_stats is not None:
                 for name, value in logits_stats(z[None], targets[None, rows]).items():
                     stats_out.setdefault(name, []).append(value[0])
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            logp[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
+            if compute_entropy:  # H = -sum_v p_v log p_v, in two (n, V) buffers: z becomes log p
+                log_p = z.sub_(lse[rows, None])
+                entropy[rows] = -log_p.exp().mul_(log_p).sum(-1)
+            del z
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.factor, ctx.chunk_size = factor, chunk_size
         device = hidden.device.type
@@ -290,21 +292,32 @@ class LinearTokenScores(torch.autograd.Function):
         with torch.autocast(device, dtype=dtype, enabled=enabled):
             for start in range(0, hidden.size(0), ctx.chunk_size):
                 rows = slice(start, start + ctx.chunk_size)
-                log_p = LinearTokenScores._logits(hidden[rows], weight, ctx.factor).sub_(lse[rows, None])
-                p = log_p.exp()
-                dz = torch.zeros_like(p)
-                if grad_logp is not None:
-                    g = grad_logp[rows].float()
-                    dz.addcmul_(p, g[:, None], value=-1.0)
-                    dz.scatter_add_(1, targets[rows, None], g[:, None])
-                if grad_entropy is not None:
-                    dz.addcmul_(p * log_p.add_(entropy[rows, None]), grad_entropy[rows, None].float(), value=-1.0)
-                dz = dz.mul_(ctx.factor).to(weight.dtype)
+                dz = LinearTokenScores._dz(hidden[rows], weight, targets[rows], lse[rows], entropy[rows], ctx.factor,
+                                           grad_logp, grad_entropy, rows)  # fmt: skip
                 if grad_hidden is not None:
                     grad_hidden[rows] = (dz @ weight).to(hidden.dtype)
                 if grad_weight is not None:
                     grad_weight.addmm_(dz.T, hidden[rows].to(weight.dtype))
         return grad_hidden, grad_weight, None, None, None, None, None, None
+
+    @staticmethod
+    def _dz(hidden, weight, targets, lse, entropy, factor, grad_logp, grad_entropy, rows):
+        """One chunk's `dz` `(n, V)` in the weight's dtype, in at most two `(n, V)` float32 buffers: the logits
+        become `log p` in place, then `dz` (the chunk tensors are the backward's largest; it runs while every
+        activation of the forward is still held)."""
+        dz = LinearTokenScores._logits(hidden, weight, factor).sub_(lse[:, None])  # log p
+        g = None if grad_logp is None else grad_logp[rows].float()[:, None]
+        if grad_entropy is None:
+            dz.exp_().mul_(-g)  # -g p
+        else:
+            p = dz.exp()
+            dz.add_(entropy[:, None]).mul_(p).mul_(-grad_entropy[rows, None].float())  # -g_H p (log p + H)
+            if g is not None:
+                dz.addcmul_(p, g, value=-1.0)
+            del p
+        if g is not None:
+            dz.scatter_add_(1, targets[:, None], g)
+        return dz.mul_(factor).to(weight.dtype)
 
     @staticmethod
     def _logits(hidden, weight, factor):
