@@ -14,11 +14,61 @@ The per-token policy loss is multiplied by w (GRPO; VESPO folds it into its weig
 """
 
 import math
+import warnings
+from dataclasses import dataclass
 
 import torch
 
+from ..core.config import option
+
 
 IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
+
+
+@dataclass
+class ImportanceSamplingConfig:
+    """The correction's config fields, with `trl.GRPOConfig` 1.16's names and defaults: mixed into the config of a
+    trainer that applies it, before its `OnlineConfig` base (so that `output_dir` stays the first field). Used only
+    with `use_vllm` (`OnlineConfig` raises when one is set without it); `check_importance_sampling` validates them."""
+
+    vllm_importance_sampling_correction: bool = option(
+        True, "With use_vllm: correct the loss for the vLLM/trainer log-prob mismatch (online/importance_sampling.py)."
+    )
+    vllm_importance_sampling_mode: str = option(
+        "sequence_mask", f"The correction's level and rule: one of {', '.join(IS_MODES)}."
+    )
+    vllm_importance_sampling_clip_max: float | None = option(3.0, "Upper bound C_max of the ratio (None: none).")
+    vllm_importance_sampling_clip_min: float | None = option(None, "Lower bound C_min of the ratio (None: none).")
+    vllm_importance_sampling_cap: float | None = option(None, "Deprecated: vllm_importance_sampling_clip_max.")
+
+    IMPORTANCE_SAMPLING_FIELDS = (
+        "vllm_importance_sampling_correction",
+        "vllm_importance_sampling_mode",
+        "vllm_importance_sampling_clip_max",
+        "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_cap",
+    )
+
+    def check_importance_sampling(self) -> None:
+        """TRL's checks: the deprecated cap moves to `clip_max` (FutureWarning), C_min < C_max, a known mode."""
+        if self.vllm_importance_sampling_cap is not None:
+            warnings.warn(
+                "The `vllm_importance_sampling_cap` argument is deprecated and will be removed in v2.0.0. "
+                "Use `vllm_importance_sampling_clip_max` instead.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and high is not None and low >= high:
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min ({low}) must be less than vllm_importance_sampling_clip_max "
+                f"({high})."
+            )
+        if self.vllm_importance_sampling_mode not in IS_MODES:
+            raise ValueError(
+                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not one of {list(IS_MODES)}."
+            )
 
 
 def importance_sampling_ratio(

@@ -37,7 +37,6 @@ minus `entropy_coef` times the mean token entropy / GA (adaptive as in Skywork-O
 
 import logging
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +44,7 @@ from accelerate.utils import gather
 
 from ..core.config import document_fields, option
 from ..online.config import OnlineConfig
-from ..online.importance_sampling import IS_MODES
+from ..online.importance_sampling import ImportanceSamplingConfig
 from ..online.metrics import high_entropy_mask, off_policy_mask
 from ..online.rewards import nanstd
 from ..online.rollout import RolloutBatch
@@ -58,7 +57,7 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vesp
 
 @document_fields
 @dataclass
-class GRPOConfig(OnlineConfig):
+class GRPOConfig(ImportanceSamplingConfig, OnlineConfig):
     """Configuration of `GRPOTrainer`: every field of `trl.GRPOConfig` 1.16, same names and defaults."""
 
     _unimplemented_fields = {
@@ -89,48 +88,17 @@ class GRPOConfig(OnlineConfig):
     off_policy_mask_threshold: float | None = option(None, "Drop sequences with A < 0 and mean KL above this.")
     use_bias_correction_kl: bool = option(True, "Multiply the KL term by the ratio w.")
     log_completions_hub_repo: str | None = option(None, "Hub repo for completions (not implemented).")
-    vllm_importance_sampling_correction: bool = option(
-        True, "With use_vllm: correct the loss for the vLLM/trainer log-prob mismatch (online/importance_sampling.py)."
-    )
-    vllm_importance_sampling_mode: str = option(
-        "sequence_mask", f"The correction's level and rule: one of {', '.join(IS_MODES)}."
-    )
-    vllm_importance_sampling_clip_max: float | None = option(3.0, "Upper bound C_max of the ratio (None: none).")
-    vllm_importance_sampling_clip_min: float | None = option(None, "Lower bound C_min of the ratio (None: none).")
-    vllm_importance_sampling_cap: float | None = option(None, "Deprecated: vllm_importance_sampling_clip_max.")
-
-    _vllm_only_fields = (
-        *OnlineConfig._vllm_only_fields,
-        "vllm_importance_sampling_correction",
-        "vllm_importance_sampling_mode",
-        "vllm_importance_sampling_clip_max",
-        "vllm_importance_sampling_clip_min",
-        "vllm_importance_sampling_cap",
-    )
+    _vllm_only_fields = (*OnlineConfig._vllm_only_fields, *ImportanceSamplingConfig.IMPORTANCE_SAMPLING_FIELDS)
 
     def __post_init__(self):
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         super().__post_init__()
-        if self.vllm_importance_sampling_cap is not None:
-            warnings.warn(
-                "The `vllm_importance_sampling_cap` argument is deprecated and will be removed in v2.0.0. "
-                "Use `vllm_importance_sampling_clip_max` instead.",
-                FutureWarning,
-                stacklevel=2,
-            )
-            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
-        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        if low is not None and high is not None and low >= high:
-            raise ValueError(
-                f"vllm_importance_sampling_clip_min ({low}) must be less than vllm_importance_sampling_clip_max "
-                f"({high})."
-            )
+        self.check_importance_sampling()
         for name, allowed in (
             ("loss_type", LOSS_TYPES),
             ("scale_rewards", ("group", "batch", "none")),
             ("importance_sampling_level", ("token", "sequence")),
             ("multi_objective_aggregation", ("sum_then_normalize", "normalize_then_sum")),
-            ("vllm_importance_sampling_mode", IS_MODES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}.")
