@@ -31,9 +31,14 @@ from ..generation.fallbacks import report_fallback
 logger = logging.getLogger(__name__)
 
 # Positions per chunk: one chunk's float32 logits stay under this many elements (256 MB: 442 positions at 152k
-# tokens, as much as the head's own weight gradient at hidden size 442; the backward holds ~3 such chunk tensors).
+# tokens, as much as the head's own weight gradient at hidden size 442; the backward holds 1-2 such chunk tensors).
 # Fewer, larger chunks pass over the (V, H) weight gradient fewer times.
 _CHUNK_ELEMENTS = 2**26
+# Inside `LinearTokenScores` the chunks are cut again into work chunks of at most this many logits (64 MB: 110
+# positions at 152k tokens): its forward keeps nothing per chunk and its backward recomputes, so the size only sets
+# the peak (the head's forward and backward run while every activation is held) and how often the weight and its
+# gradient are streamed.
+_WORK_ELEMENTS = 2**24
 
 # Models whose hidden-state path was checked against their own logits: model -> True (matches) / False.
 _VERIFIED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
@@ -262,6 +267,7 @@ class LinearTokenScores(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, factor, chunk_size, compute_entropy, logits_stats, stats_out):
         n = hidden.size(0)
+        chunk_size = max(1, min(chunk_size, _WORK_ELEMENTS // max(1, weight.size(0))))
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse, entropy = torch.empty_like(logp), torch.zeros_like(logp)
         for start in range(0, n, chunk_size):
