@@ -298,8 +298,9 @@ class LinearTokenScores(torch.autograd.Function):
         with torch.autocast(device, dtype=dtype, enabled=enabled):
             for start in range(0, hidden.size(0), ctx.chunk_size):
                 rows = slice(start, start + ctx.chunk_size)
+                g, g_entropy = (None if grad is None else grad[rows] for grad in (grad_logp, grad_entropy))
                 dz = LinearTokenScores._dz(hidden[rows], weight, targets[rows], lse[rows], entropy[rows], ctx.factor,
-                                           grad_logp, grad_entropy, rows)  # fmt: skip
+                                           g, g_entropy)  # fmt: skip
                 if grad_hidden is not None:
                     grad_hidden[rows] = (dz @ weight).to(hidden.dtype)
                 if grad_weight is not None:
@@ -307,17 +308,17 @@ class LinearTokenScores(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
     @staticmethod
-    def _dz(hidden, weight, targets, lse, entropy, factor, grad_logp, grad_entropy, rows):
+    def _dz(hidden, weight, targets, lse, entropy, factor, grad_logp, grad_entropy):
         """One chunk's `dz` `(n, V)` in the weight's dtype, in at most two `(n, V)` float32 buffers: the logits
         become `log p` in place, then `dz` (the chunk tensors are the backward's largest; it runs while every
         activation of the forward is still held)."""
         dz = LinearTokenScores._logits(hidden, weight, factor).sub_(lse[:, None])  # log p
-        g = None if grad_logp is None else grad_logp[rows].float()[:, None]
+        g = None if grad_logp is None else grad_logp.float()[:, None]
         if grad_entropy is None:
             dz.exp_().mul_(-g)  # -g p
         else:
             p = dz.exp()
-            dz.add_(entropy[:, None]).mul_(p).mul_(-grad_entropy[rows, None].float())  # -g_H p (log p + H)
+            dz.add_(entropy[:, None]).mul_(p).mul_(-grad_entropy[:, None].float())  # -g_H p (log p + H)
             if g is not None:
                 dz.addcmul_(p, g, value=-1.0)
             del p

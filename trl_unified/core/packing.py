@@ -23,6 +23,7 @@ state across the boundary, is caught); rows whose real tokens are not contiguous
 `token_type_ids`) and encoder-decoder models take the padded path, with one log line (`report_fallback`).
 """
 
+import functools
 import inspect
 import weakref
 from dataclasses import dataclass
@@ -110,8 +111,12 @@ class PackedRows:
 
 def _passes_attention_kwargs(model) -> bool:
     """Whether the model's forward takes `**kwargs` (transformers models pass them on to their attention)."""
-    base = _bare(model)
-    parameters = inspect.signature(base.forward).parameters.values()
+    return _takes_var_keywords(type(_bare(model)))
+
+
+@functools.cache
+def _takes_var_keywords(model_class: type) -> bool:
+    parameters = inspect.signature(model_class.forward).parameters.values()
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 

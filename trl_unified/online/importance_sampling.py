@@ -15,7 +15,7 @@ The per-token policy loss is multiplied by w (GRPO; VESPO folds it into its weig
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -41,14 +41,6 @@ class ImportanceSamplingConfig:
     vllm_importance_sampling_clip_min: float | None = option(None, "Lower bound C_min of the ratio (None: none).")
     vllm_importance_sampling_cap: float | None = option(None, "Deprecated: vllm_importance_sampling_clip_max.")
 
-    IMPORTANCE_SAMPLING_FIELDS = (
-        "vllm_importance_sampling_correction",
-        "vllm_importance_sampling_mode",
-        "vllm_importance_sampling_clip_max",
-        "vllm_importance_sampling_clip_min",
-        "vllm_importance_sampling_cap",
-    )
-
     def check_importance_sampling(self) -> None:
         """TRL's checks: the deprecated cap moves to `clip_max` (FutureWarning), C_min < C_max, a known mode."""
         if self.vllm_importance_sampling_cap is not None:
@@ -69,6 +61,9 @@ class ImportanceSamplingConfig:
             raise ValueError(
                 f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not one of {list(IS_MODES)}."
             )
+
+
+IMPORTANCE_SAMPLING_FIELDS = tuple(f.name for f in fields(ImportanceSamplingConfig))
 
 
 def importance_sampling_ratio(

@@ -44,7 +44,7 @@ from accelerate.utils import gather
 
 from ..core.config import document_fields, option
 from ..online.config import OnlineConfig
-from ..online.importance_sampling import ImportanceSamplingConfig
+from ..online.importance_sampling import IMPORTANCE_SAMPLING_FIELDS, ImportanceSamplingConfig
 from ..online.metrics import high_entropy_mask, off_policy_mask
 from ..online.rewards import nanstd
 from ..online.rollout import RolloutBatch
@@ -88,7 +88,7 @@ class GRPOConfig(ImportanceSamplingConfig, OnlineConfig):
     off_policy_mask_threshold: float | None = option(None, "Drop sequences with A < 0 and mean KL above this.")
     use_bias_correction_kl: bool = option(True, "Multiply the KL term by the ratio w.")
     log_completions_hub_repo: str | None = option(None, "Hub repo for completions (not implemented).")
-    _vllm_only_fields = (*OnlineConfig._vllm_only_fields, *ImportanceSamplingConfig.IMPORTANCE_SAMPLING_FIELDS)
+    _vllm_only_fields = (*OnlineConfig._vllm_only_fields, *IMPORTANCE_SAMPLING_FIELDS)
 
     def __post_init__(self):
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
