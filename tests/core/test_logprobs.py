@@ -23,10 +23,11 @@ def test_compute_token_logprobs_matches_full_log_softmax(qwen2_model, tokenizer,
     ids, mask = batch(tokenizer)
     out = compute_token_logprobs(qwen2_model, ids, mask, logits_to_keep, temperature=temperature, compute_entropy=True)
     expected, logits = naive_logprobs(qwen2_model, ids, mask, logits_to_keep, temperature)
+    real = mask[:, -logits_to_keep:]  # padding positions are not projected to the vocabulary: they read 0
     assert out.logps.shape == (2, logits_to_keep)
-    torch.testing.assert_close(out.logps, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.logps, expected * real, rtol=1e-5, atol=1e-5)
     probs = torch.softmax(logits.float(), -1)
-    torch.testing.assert_close(out.entropy, -(probs * probs.log()).sum(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.entropy, -(probs * probs.log()).sum(-1) * real, rtol=1e-5, atol=1e-5)
 
 
 def test_compute_token_logprobs_row_batches_equal_one_pass(qwen2_model, tokenizer):
@@ -77,9 +78,10 @@ def _grads(model):
 
 def _both_paths(model, ids, mask, keep, loss_fn, **options):
     """`(hidden-state path, logits path)`: each path's TokenLogprobs and the gradients of `loss_fn(out)`."""
-    results = []
+    results, real = [], mask[:, -keep:]
     for from_hidden in (True, False):
         out = compute_token_logprobs(model, ids, mask, keep, from_hidden_states=from_hidden, **options)
+        out = out.map(lambda values: values * real.to(values.dtype))  # the logits path also scores padding
         loss_fn(out).backward()
         results.append((out, _grads(model)))
     return results
@@ -122,9 +124,10 @@ def test_hidden_state_path_entropy_without_grad_and_stats(qwen2_model, tokenizer
     _assert_same(ours, theirs)
     assert not ours[0].entropy.requires_grad
     logits = qwen2_model(input_ids=ids, attention_mask=mask).logits[:, -8:-1].detach()
-    expected_mean = logits.mean(-1)
+    real = mask[:, -7:]
+    expected_mean = logits.mean(-1) * real
     torch.testing.assert_close(ours[0].stats["mean_logits"], expected_mean, rtol=1e-5, atol=1e-5)
-    assert torch.equal(ours[0].stats["is_top1"], logits.argmax(-1) == ids[:, -7:])
+    assert torch.equal(ours[0].stats["is_top1"].bool(), (logits.argmax(-1) == ids[:, -7:]) & real.bool())
     for name in ("mean_logits", "is_top1", "log_sum_sq_probs"):
         torch.testing.assert_close(ours[0].stats[name], theirs[0].stats[name], rtol=1e-5, atol=1e-5)
 
@@ -139,6 +142,31 @@ def test_hidden_state_path_never_builds_full_vocabulary_logits(qwen2_model, toke
     compute_token_logprobs(qwen2_model, ids, mask, 6).logps.sum().backward()
     assert widths[:2] == [2, 2]  # the model's own forward (one position per row), then the first-use check
     assert max(widths) == 2 and len(widths) == 2 + 6 + 6  # 12 positions in chunks of 2, then recomputed
+
+
+def test_hidden_state_path_projects_only_real_completion_tokens(qwen2_model, tokenizer, monkeypatch):
+    """Completions that end early (right padding): only their real tokens go through the head, forward and
+    backward; those values and the gradients of a masked loss are the padded path's, and padding reads 0
+    (`score_padding=True` scores it too, as TRL's PPO entropy needs)."""
+    monkeypatch.setattr("trl_unified.core.lm_head._CHUNK_ELEMENTS", 2 * qwen2_model.config.vocab_size)
+    ids = torch.tensor([[0, 5, 6, 7, 8, 9, 0, 0], [11, 12, 13, 14, 15, 16, 17, 18], [3, 4, 5, 6, 7, 0, 0, 0]])
+    mask = (ids != 0).long()
+    real = mask[:, -5:]  # 5 completion positions, 3 + 5 + 2 = 10 real
+    widths = []
+    handle = qwen2_model.lm_head.register_forward_hook(lambda m, a, out: widths.append(out.shape[:-1].numel()))
+    out = compute_token_logprobs(qwen2_model, ids, mask, 5, compute_entropy=True)
+    (out.logps * real).sum().backward()
+    grads = _grads(qwen2_model)
+    handle.remove()
+    assert widths[2:] == [2] * 5 + [2] * 5  # 10 real positions in chunks of 2, then recomputed; never the 15
+    assert torch.all(out.logps[real == 0] == 0) and torch.all(out.entropy[real == 0] == 0)
+    full = compute_token_logprobs(qwen2_model, ids, mask, 5, compute_entropy=True, score_padding=True)
+    (full.logps * real).sum().backward()
+    torch.testing.assert_close(out.logps, full.logps * real, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.entropy, full.entropy * real, rtol=1e-5, atol=1e-6)
+    assert torch.all(full.entropy[real == 0] > 0)
+    for name, grad in _grads(qwen2_model).items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_hidden_state_path_with_shared_prefix_rows_and_peft(tokenizer):

@@ -95,6 +95,7 @@ def compute_token_logprobs(
     logits_stats: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]] | None = None,
     from_hidden_states: bool = True,
     padding_free: bool = False,
+    score_padding: bool = False,
     **forward_kwargs,
 ) -> TokenLogprobs:
     """Log-probs of the last `logits_to_keep` tokens of `input_ids` under `model`, logits divided by `temperature`.
@@ -110,21 +111,20 @@ def compute_token_logprobs(
         input_ids, attention_mask (`torch.LongTensor`): `(B, P + C)` prompt then completion tokens, and their mask.
         logits_to_keep (`int`): `C`, the number of completion positions to score.
         temperature (`float`, defaults to `1.0`): the sampling temperature.
-        compute_entropy (`bool`, defaults to `False`): also return per-token entropies; with `entropy_requires_grad`
-            in the autograd graph (an entropy bonus), otherwise without grad (logging, masks).
+        compute_entropy (`bool`, defaults to `False`): also return entropies; under grad iff `entropy_requires_grad`.
         batch_size (`int`, *optional*): rows per forward pass (a memory cap for no-grad passes); all at once if None.
         output_router_logits (`bool`, defaults to `False`): return the MoE load-balancing loss.
-        shared_prefix (`bool`, defaults to `False`): encode each distinct prompt (`input_ids[:, :-C]`) of a chunk once
-            and reuse its KV cache for the rows that repeat it (`generation/sharing.py`): same log-probs and
-            gradients, less compute; the caller decides whether the model supports it (`sharing.may_share_prefix`).
-        position_ids (`torch.LongTensor`, *optional*): `(B, P + C)` positions (e.g. of another layout of the same
-            rows, `preference_data.shared_prompt_layout`); the model's default otherwise.
+        shared_prefix (`bool`, defaults to `False`): encode each distinct prompt of a chunk once for the rows that
+            repeat it (`generation/sharing.py`); the caller decides whether the model may (`may_share_prefix`).
+        position_ids (`torch.LongTensor`, *optional*): `(B, P + C)` positions; the model's default otherwise.
         logits_stats (`Callable`, *optional*): called without grad on scaled logits `(b, n, V)` and their targets
             `(b, n)`; returns `(b, n)` per-token tensors by name, gathered into `TokenLogprobs.stats`.
         from_hidden_states (`bool`, defaults to `True`): the chunked head path above; False: the model's logits.
         padding_free (`bool`, defaults to `False`): run each batch of rows as one packed row without padding, the
             positions counted from each row's first real token (`core/packing.py`); exclusive with `shared_prefix`
             and `position_ids`. Where the rows or the model cannot be packed, the padded rows, reported once.
+        score_padding (`bool`, defaults to `False`): also score padding positions (mask 0) on the head path (TRL's
+            PPO entropy average); otherwise only real tokens go through the head and padding reads 0: mask it.
         **forward_kwargs: other model inputs with a leading batch dimension (e.g. `token_type_ids`), or, for
             vision-language models, the full image tensors (then `batch_size` must cover the whole batch).
 
@@ -150,7 +150,7 @@ def compute_token_logprobs(
         if packed is not None:
             scores, outputs, head = _score_packed(model, head, packed, kwargs, scoring)
         else:
-            scores, outputs, head = _score_rows(model, head, inputs, scoring)
+            scores, outputs, head = _score_rows(model, head, inputs, scoring, score_padding)
         parts.append(scores)
         if output_router_logits and getattr(outputs, "aux_loss", None) is not None:
             aux_losses.append(outputs.aux_loss)
@@ -171,10 +171,11 @@ def _row_inputs(forward_kwargs: dict, rows: slice, num_rows: int, batch_size: in
     }
 
 
-def _score_rows(model, head: HiddenStateHead | None, inputs, scoring: dict):
+def _score_rows(model, head: HiddenStateHead | None, inputs, scoring: dict, score_padding: bool = False):
     """`((log-probs, entropies, stats), outputs, head)` for one batch of rows: from the hidden states through
     `head` when given and it reproduces the model's logits, else from the model's logits (then `head` comes back
-    None, for the next rows)."""
+    None, for the next rows). Through `head`, only the positions whose token is real (mask 1) are projected to the
+    vocabulary unless `score_padding`; the others read 0, as in the packed path."""
     input_ids, attention_mask, logits_to_keep, shared_prefix, positions, kwargs = inputs
     targets = input_ids[:, -logits_to_keep:]
     if head is not None:
@@ -183,6 +184,11 @@ def _score_rows(model, head: HiddenStateHead | None, inputs, scoring: dict):
         if head.matches(outputs.logits):
             hidden = head.hidden[:, -(logits_to_keep + 1) : -1]  # position t predicts token t + 1
             vocabulary = outputs.logits.size(-1)
+            real = None if score_padding else attention_mask[:, -logits_to_keep:].bool()
+            if real is not None and bool(real.any()) and not bool(real.all()):  # only real tokens to the vocabulary
+                scores = token_scores(hidden[real][None], targets[real][None], head.logits, vocabulary=vocabulary,
+                                      linear=head.linear(), **scoring)  # fmt: skip
+                return _fill(scores, real), outputs, head
             scores = token_scores(hidden, targets, head.logits, vocabulary=vocabulary, linear=head.linear(), **scoring)
             return scores, outputs, head
     outputs = _forward(
@@ -269,6 +275,18 @@ def _score_packed(model, head: HiddenStateHead | None, packed: PackedRows, kwarg
             return _scatter(scores, packed), outputs, head
     outputs = model(**inputs, logits_to_keep=packed.source)
     return _scatter(_scores_from_logits(outputs.logits, targets, **scoring), packed), outputs, None
+
+
+def _fill(scores, real: torch.Tensor):
+    """Scores `(1, M)` of the positions where `real` `(b, C)` is True, laid out as `(b, C)` with 0 elsewhere."""
+
+    def fill(values):
+        full = values.new_zeros(real.shape)
+        full[real] = values[0]
+        return full
+
+    logps, entropy, stats = scores
+    return fill(logps), None if entropy is None else fill(entropy), {name: fill(v) for name, v in stats.items()}
 
 
 def _scatter(scores, packed: PackedRows):

@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 # compute_token_logprobs options that are not model inputs
 _LOGPROB_OPTIONS = {
     "compute_entropy", "entropy_requires_grad", "batch_size", "output_router_logits", "from_hidden_states",
-    "padding_free",
+    "padding_free", "score_padding",
 }  # fmt: skip
 
 

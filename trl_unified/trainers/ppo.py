@@ -256,7 +256,9 @@ class PPOTrainer(CriticMixin, OnlineTrainer):
         v_mask = value_mask(inputs.completion_mask).float()
         input_ids, attention_mask, extra = inputs.model_inputs()
         self.value_head.request_values(mask.size(1))  # the critic runs inside the policy's (DDP) forward
-        out = self.token_logprobs(model, input_ids, attention_mask, mask.size(1), compute_entropy=True, **extra)
+        out = self.token_logprobs(
+            model, input_ids, attention_mask, mask.size(1), compute_entropy=True, score_padding=True, **extra
+        )  # TRL averages entropy over padding
         log_ratio = (out.logps - inputs.old_logps) * mask  # 0 on padding, as TRL's constant fill gives
         ratio = torch.exp(log_ratio)
         pg_losses = -inputs.advantages * ratio
