@@ -185,10 +185,14 @@ def _score_rows(model, head: HiddenStateHead | None, inputs, scoring: dict, scor
             hidden = head.hidden[:, -(logits_to_keep + 1) : -1]  # position t predicts token t + 1
             vocabulary = outputs.logits.size(-1)
             real = None if score_padding else attention_mask[:, -logits_to_keep:].bool()
-            if real is not None and bool(real.any()) and not bool(real.all()):  # only real tokens to the vocabulary
+            if real is not None and 0 < int(real.sum()) < real.numel():  # only real tokens to the vocabulary
                 scores = token_scores(hidden[real][None], targets[real][None], head.logits, vocabulary=vocabulary,
                                       linear=head.linear(), **scoring)  # fmt: skip
-                return _fill(scores, real), outputs, head
+                return (
+                    _place(scores, lambda values: values.new_zeros(real.shape).masked_scatter(real, values)),
+                    outputs,
+                    head,
+                )
             scores = token_scores(hidden, targets, head.logits, vocabulary=vocabulary, linear=head.linear(), **scoring)
             return scores, outputs, head
     outputs = _forward(
@@ -272,27 +276,16 @@ def _score_packed(model, head: HiddenStateHead | None, packed: PackedRows, kwarg
             hidden = head.hidden[:, packed.source]  # (1, M, H)
             vocabulary = outputs.logits.size(-1)
             scores = token_scores(hidden, targets, head.logits, vocabulary=vocabulary, linear=head.linear(), **scoring)
-            return _scatter(scores, packed), outputs, head
+            return _place(scores, packed.scatter), outputs, head
     outputs = model(**inputs, logits_to_keep=packed.source)
-    return _scatter(_scores_from_logits(outputs.logits, targets, **scoring), packed), outputs, None
+    return _place(_scores_from_logits(outputs.logits, targets, **scoring), packed.scatter), outputs, None
 
 
-def _fill(scores, real: torch.Tensor):
-    """Scores `(1, M)` of the positions where `real` `(b, C)` is True, laid out as `(b, C)` with 0 elsewhere."""
-
-    def fill(values):
-        full = values.new_zeros(real.shape)
-        full[real] = values[0]
-        return full
-
+def _place(scores, place):
+    """`(log-probs, entropies or None, stats)` of the scored positions `(1, M)`, each laid out by `place` as `(b, C)`
+    (`PackedRows.scatter`, or the real positions of padded rows), 0 on the unscored ones."""
     logps, entropy, stats = scores
-    return fill(logps), None if entropy is None else fill(entropy), {name: fill(v) for name, v in stats.items()}
-
-
-def _scatter(scores, packed: PackedRows):
-    logps, entropy, stats = scores
-    entropy = None if entropy is None else packed.scatter(entropy)
-    return packed.scatter(logps), entropy, {name: packed.scatter(value) for name, value in stats.items()}
+    return place(logps), None if entropy is None else place(entropy), {name: place(v) for name, v in stats.items()}
 
 
 def _forward(model, input_ids, attention_mask, logits_to_keep, keep, shared_prefix, positions, kwargs):
