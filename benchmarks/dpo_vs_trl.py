@@ -104,7 +104,9 @@ def main():
     parser.add_argument("--shared_prefix", choices=["auto", "false"], default="auto", help="ours only")
     parser.add_argument("--vocab", choices=["8k", "real"], default="8k", help="8k words, or real: Qwen2.5's size")
     parser.add_argument("--chunked_lm_head", choices=["true", "false"], default=None, help="ours only (default: true)")
-    parser.add_argument("--padding_free", choices=["true", "false"], default=None, help="ours only (default: false)")
+    parser.add_argument(
+        "--padding_free", choices=["true", "false"], default=None, help="ours only (default: the config's)"
+    )
     parser.add_argument("--child", nargs=3, metavar=("IMPL", "MODEL", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

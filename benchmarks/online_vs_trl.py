@@ -153,7 +153,9 @@ def main(trainer: str):
         "--vocab", choices=sorted(VOCABULARIES), default="8k", help="8k words, or real: Qwen2.5's size"
     )
     parser.add_argument("--chunked_lm_head", choices=["true", "false"], default=None, help="ours only (default: true)")
-    parser.add_argument("--padding_free", choices=["true", "false"], default=None, help="ours only (default: false)")
+    parser.add_argument(
+        "--padding_free", choices=["true", "false"], default=None, help="ours only (default: the config's)"
+    )
     parser.add_argument("--child", nargs=4, metavar=("IMPL", "MODEL", "OUT", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -92,6 +92,31 @@ def test_padding_free_runs_one_row_of_real_tokens_and_keeps_statistics(qwen2_mod
     assert not packed.stats["is_top1"][~scored].any() and (packed.logps[~scored] == 0).all()
 
 
+def test_padding_free_auto_packs_only_rows_with_enough_padding(qwen2_model, monkeypatch):
+    """`padding_free=None`: the ragged batch (8 of 24 slots padding) is packed; the same rows without padding, a
+    call with position ids or with shared prompts are not. The values are the padded ones either way."""
+    from trl_unified.core import logprobs
+
+    packed = []
+    original = logprobs._score_packed
+    monkeypatch.setattr(logprobs, "_score_packed", lambda *a, **k: packed.append(a[2].shape) or original(*a, **k))
+    ids, mask = ragged_batch()
+    auto = compute_token_logprobs(qwen2_model, ids, mask, 4, padding_free=None)
+    assert packed == [(3, 4)]
+    padded = compute_token_logprobs(qwen2_model, ids, mask, 4, padding_free=False)
+    scored = mask[:, -4:].bool()
+    torch.testing.assert_close(auto.logps[scored], padded.logps[scored], rtol=1e-5, atol=1e-5)
+    full = torch.ones_like(mask)
+    dense = torch.randint(1, qwen2_model.config.vocab_size, ids.shape)
+    compute_token_logprobs(qwen2_model, dense, full, 4, padding_free=None)
+    one_pad = full.clone()
+    one_pad[0, 0] = 0  # 1 of 24 slots: below PACKING_MIN_PADDING
+    compute_token_logprobs(qwen2_model, dense, one_pad, 4, padding_free=None)
+    compute_token_logprobs(qwen2_model, ids, mask, 4, padding_free=None, position_ids=(mask.cumsum(1) - 1).clamp(0))
+    assert packed == [(3, 4)]
+    assert logprobs.PACKING_MIN_PADDING == 0.1
+
+
 def _spy_on_sdpa(monkeypatch):
     """Record the key length and mask of each call `segmented_sdpa` makes to transformers' sdpa."""
     packing.install_segmented_sdpa()
@@ -243,13 +268,42 @@ def test_trainers_with_padding_free_train_to_the_padded_numbers(name, config, ll
     # rows' policy pass), each packed
     assert len(packed) == {"RLOO": 4, "GRPO": 4, "DPO": 4, "KTO": 6}[name], packed
     count = len(packed)
-    padded = run(shared_prefix=False)
+    padded = run(shared_prefix=False, padding_free=False)
     assert len(packed) == count
     assert_same_run(with_packing, padded, keys)
 
 
+def test_padding_free_is_auto_by_default_where_prompts_are_not_shared(llama_path, tmp_path, monkeypatch):
+    """RLOO with prompt sharing off: the default (`padding_free=None`) packs the policy and reference passes (the
+    rollouts' completions end at different lengths) and trains to the padded run's numbers."""
+    import trl_unified
+    import trl_unified.core.logprobs as logprobs
+    from tests.generation.test_prefix import _train, assert_same_run
+
+    packed, decisions = [], []
+    original, decide = logprobs._score_packed, logprobs._packs
+    monkeypatch.setattr(logprobs, "_score_packed", lambda *a, **k: packed.append(a[2].shape) or original(*a, **k))
+    monkeypatch.setattr(logprobs, "_packs", lambda *a, **k: decisions.append(decide(*a, **k)) or decisions[-1])
+    classes = trl_unified.RLOOTrainer, trl_unified.RLOOConfig
+    auto = _train(llama_path, tmp_path, *classes, shared_prefix=False, beta=0.1)
+    assert auto.args.padding_free is None and len(decisions) == 4  # 2 steps x policy + reference passes
+    assert 1 <= len(packed) == sum(decisions), (packed, decisions)  # rows with enough padding packed, others not
+    padded = _train(llama_path, tmp_path, *classes, shared_prefix=False, padding_free=False, beta=0.1)
+    assert len(decisions) == 4 and len(packed) == sum(decisions)
+    assert_same_run(auto, padded, ["loss", "kl", "entropy", "reward"])
+
+
 def test_padding_free_config_checks(tmp_path):
     from trl_unified import DistillationConfig, DPOConfig, GRPOConfig, PPOConfig
+
+    assert GRPOConfig(output_dir=str(tmp_path), bf16=False).padding_free is None  # auto
+    assert GRPOConfig(output_dir=str(tmp_path), padding_free="false", bf16=False).padding_free is False
+    with pytest.raises(ValueError, match="must be None"):
+        GRPOConfig(output_dir=str(tmp_path), padding_free="sometimes", bf16=False)
+    assert PPOConfig(output_dir=str(tmp_path), bf16=False).padding_free is False  # padded rows only
+    assert DPOConfig(output_dir=str(tmp_path), bf16=False).padding_free is False  # TRL's field and default
+    assert DPOConfig(output_dir=str(tmp_path), padding_free="auto", bf16=False).padding_free is None
+    assert DistillationConfig(output_dir=str(tmp_path), bf16=False).padding_free is False
 
     with pytest.raises(ValueError, match="choose one"):
         GRPOConfig(output_dir=str(tmp_path), padding_free=True, shared_prefix=True, bf16=False)

@@ -189,7 +189,9 @@ def test_trainers_share_prompts_by_default_with_the_plain_numbers(name, config, 
     shared = _train(llama_path, tmp_path, trainer_class, config_class, shared_prefix="auto", **config)
     assert len(calls) >= 4, calls  # 2 steps x (generation + policy), + reference / old forwards
     count = len(calls)
-    plain = _train(llama_path, tmp_path, trainer_class, config_class, shared_prefix=False, **config)
+    plain = _train(
+        llama_path, tmp_path, trainer_class, config_class, shared_prefix=False, padding_free=False, **config
+    )
     assert len(calls) == count  # off means off
     for key in ("loss", "kl", "entropy", "reward") if config.get("beta") else ("loss", "entropy", "reward"):
         ours = [log[key] for log in shared.state.log_history if key in log]
@@ -291,7 +293,7 @@ def test_preference_trainers_share_prompts_by_default_with_the_plain_numbers(
         # policy pass (KL rows without grad) from step 2 on (step 1 first checks the chunked head on two passes)
         assert calls == [(8, 4)] * 3, calls
     count = len(calls)
-    plain = _train_preference(path, tmp_path, name, shared_prefix=False, **config)
+    plain = _train_preference(path, tmp_path, name, shared_prefix=False, padding_free=False, **config)
     assert len(calls) == count  # off means off
     keys = ["loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "logits/chosen", "entropy"]
     assert_same_run(shared, plain, keys + (["mean_token_accuracy"] if name == "DPO" else ["kl"]))

@@ -241,7 +241,7 @@ def test_no_extra_forward_when_generation_is_aligned(llama_path, tmp_path):
             llama_path,
             varied_reward,
             # forward calls are counted: plain forwards (shared prefixes split one forward in two calls)
-            args=rloo_args(tmp_path, max_steps=2, beta=0.1, shared_prefix=False, **kwargs),
+            args=rloo_args(tmp_path, max_steps=2, beta=0.1, shared_prefix=False, padding_free=False, **kwargs),
             train_dataset=prompt_dataset(),
         )
         state = {"generating": False, "forwards": 0}

@@ -225,15 +225,17 @@ class PolicyConfig(TrainingArguments):
         },
     )
 
-    padding_free: bool = field(
-        default=False,
+    padding_free: bool | None = field(
+        default=None,
         metadata={
             "help": "Run the policy, reference and old-log-prob passes (DPO/KTO: the preference passes) on the rows "
             "packed into one sequence without padding, positions restarting at each row (core/packing.py); the "
-            "same numbers. Pays with FlashAttention 2/3 (variable-length kernels); on sdpa / eager the attention "
-            "takes a dense block-diagonal mask, so it pays only for short rows of very different lengths. Replaces "
-            "prompt sharing in those passes. TRL: a DPO field (disabled in TRL 1.16); trl_unified: every trainer "
-            "that scores completions."
+            "same numbers. Attention runs per sequence (FlashAttention's variable-length kernels; on sdpa "
+            "core/packing.segmented_sdpa). None (auto): in the passes that do not share prompts (shared_prefix), "
+            "where at least 10% of the rows' slots are padding and the model allows it; True: every such pass, "
+            "instead of prompt sharing; False: padded rows. TRL: a DPO field, default False (disabled in TRL "
+            "1.16; DPOConfig keeps that default); trl_unified: every trainer that scores completions, auto by default "
+            "elsewhere (the numbers do not change)."
         },
     )
 
@@ -258,12 +260,13 @@ class PolicyConfig(TrainingArguments):
         for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
             if isinstance(getattr(self, name), str):  # JSON from the command line
                 setattr(self, name, json.loads(getattr(self, name)))
-        if isinstance(self.shared_prefix, str):  # 'auto' / 'true' / 'false' (command line, older configs)
-            self.shared_prefix = {"auto": None, "none": None, "true": True, "false": False}.get(
-                self.shared_prefix.lower(), self.shared_prefix
-            )
-        if self.shared_prefix not in (None, True, False):
-            raise ValueError(f"shared_prefix={self.shared_prefix!r} must be None (auto), True or False.")
+        for name in ("shared_prefix", "padding_free"):  # None (auto) / True / False
+            value = getattr(self, name)
+            if isinstance(value, str):  # 'auto' / 'true' / 'false' (command line, older configs)
+                value = {"auto": None, "none": None, "true": True, "false": False}.get(value.lower(), value)
+                setattr(self, name, value)
+            if value not in (None, True, False):
+                raise ValueError(f"{name}={value!r} must be None (auto), True or False.")
         if self.padding_free and self.shared_prefix is True:
             raise ValueError(
                 "padding_free=True packs the rows of the log-prob passes, where shared_prefix=True demands prompt "

@@ -305,8 +305,9 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         autocast; `compute_token_logprobs`'s options pass through. Two class attributes shape every such forward:
         `repeats_prompts` (rows repeat their prompt, e.g. groups of G completions: each prompt is encoded once where
         `uses_shared_prefix` allows it) and `positions_from_mask` (position ids that skip left padding, as
-        generation numbers them: TRL's PPO). With `args.padding_free` the rows are packed instead (`core/packing.py`),
-        positions counted from each row's first token."""
+        generation numbers them: TRL's PPO). With `args.padding_free=True` the rows are packed instead
+        (`core/packing.py`), positions counted from each row's first token; None (auto) packs them where prompts are
+        not shared and padding is large (`compute_token_logprobs`)."""
         kwargs.setdefault("from_hidden_states", self.args.chunked_lm_head)
         kwargs.setdefault("padding_free", self.args.padding_free)
         if self.positions_from_mask and not kwargs["padding_free"]:  # packed rows count positions so already

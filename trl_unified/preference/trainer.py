@@ -200,9 +200,11 @@ class PreferenceTrainer(PolicyTrainerBase):
         options = self._logp_options(stats)
         extra = sequences.model_inputs()  # image tensors and per-token inputs of vision-language rows
         layout = None
-        if self.args.padding_free:  # rows packed without padding (core/packing.py), instead of prompt sharing
-            options["padding_free"] = True
-        elif self.uses_shared_prefix(model, "log-prob forward", extra, router_logits=options["output_router_logits"]):
+        # padding_free: True packs the rows (core/packing.py) instead of sharing prompts; None (auto) packs them
+        # where prompts are not shared and padding is large; False: padded rows
+        options["padding_free"] = self.args.padding_free
+        router_logits = options["output_router_logits"]
+        if not self.args.padding_free and self.uses_shared_prefix(model, "log-prob forward", extra, router_logits):
             layout = SharedPromptLayout.build(sequences, self._pad_token_id())
         with self.accelerator.autocast():
             if layout is not None:  # each distinct prompt encoded once (a pair's chosen and rejected rows share it)

@@ -49,6 +49,7 @@ class DistillationConfig(OnlineConfig):
     }
 
     num_generations: int | None = option(1, "Completions sampled per prompt.")
+    padding_free: bool | None = option(False, "Padded rows only (see _unimplemented_fields).")
     beta: float = option(1.0, "Generalized JSD interpolation: 0 forward KL, 1 reverse KL, 0.5 symmetric JSD.")
     teacher_model_name_or_path: str | None = option(None, "Teacher id or path, used when teacher_model is None.")
     teacher_model_revision: str | None = option(None, "Hub revision of the teacher.")

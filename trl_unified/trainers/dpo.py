@@ -65,6 +65,14 @@ class DPOConfig(PreferenceConfig):
     use_weighting: bool = field(default=False, metadata={"help": "WPO weights from length-normalised log-probs."})
     discopop_tau: float = field(default=0.05, metadata={"help": "τ of the DiscoPOP loss."})
     pad_token: str | None = field(default=None, metadata={"help": "Deprecated: set tokenizer.pad_token instead."})
+    padding_free: bool | None = field(
+        default=False,
+        metadata={
+            "help": "TRL's default, False: padded rows where prompts are not shared. True packs the rows instead of "
+            "sharing prompts; None (auto) packs the passes that do not share prompts where at least 10% of their "
+            "slots are padding (core/packing.py). The same numbers either way."
+        },
+    )
 
     def __post_init__(self):
         if isinstance(self.loss_type, str):

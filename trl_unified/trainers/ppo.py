@@ -56,6 +56,7 @@ class PPOConfig(OnlineConfig):
     _min_num_generations = 1
 
     learning_rate: float = option(3e-6, "The initial learning rate for AdamW.")
+    padding_free: bool | None = option(False, "Padded rows only (see _unimplemented_fields).")
     num_generations: int | None = option(1, "Completions sampled per prompt (trl_unified addition; TRL samples 1).")
     temperature: float = option(0.7, "Sampling temperature.")
     max_completion_length: int | None = option(None, "Alias of response_length, TRL's PPO name, which wins.")
