@@ -231,3 +231,21 @@ def test_vespo_needs_a_token_level_correction_and_unknown_generation_kwargs_are_
     assert _engine_generation_kwargs(args) == {"stop": ["</answer>"], "seed": 3}  # the last is GenerationConfig's
     with pytest.raises(ValueError, match=r"generation_kwargs \['frobnicate'\] are neither vLLM sampling parameters"):
         _engine_generation_kwargs(grpo_args(tmp_path, generation_kwargs={"frobnicate": 1}))
+
+
+def test_the_correction_applies_to_grpo_with_vllm_only(tmp_path):
+    """GRPO with vLLM corrects by default (and then computes π_old in both modes, as TRL); GRPO without vLLM, with the
+    correction off, and RLOO (whose config has no correction fields) do not."""
+    from trl_unified import GRPOConfig, RLOOConfig
+    from trl_unified.online.importance_sampling import corrects_sampling
+    from trl_unified.online.rollout import RolloutPlan
+
+    common = dict(output_dir=str(tmp_path), bf16=False, per_device_train_batch_size=4, num_generations=2)
+    grpo = GRPOConfig(use_vllm=True, vllm_mode="server", **common)
+    assert corrects_sampling(grpo) and RolloutPlan.resolve("trl", grpo, False) == RolloutPlan(True, True)
+    assert not corrects_sampling(GRPOConfig(**common))
+    assert not corrects_sampling(
+        GRPOConfig(use_vllm=True, vllm_mode="server", vllm_importance_sampling_correction=False, **common)
+    )
+    rloo = RLOOConfig(use_vllm=True, vllm_mode="server", **common)
+    assert not corrects_sampling(rloo) and RolloutPlan.resolve("trl", rloo, False) != RolloutPlan(True, True)

@@ -66,6 +66,12 @@ class ImportanceSamplingConfig:
 IMPORTANCE_SAMPLING_FIELDS = tuple(f.name for f in fields(ImportanceSamplingConfig))
 
 
+def corrects_sampling(args) -> bool:
+    """Whether a run applies the correction: its config has the fields (GRPO), it generates with vLLM and the
+    correction is on (TRL's default). RLOO and PPO configs have no such fields: never."""
+    return isinstance(args, ImportanceSamplingConfig) and args.use_vllm and args.vllm_importance_sampling_correction
+
+
 def importance_sampling_ratio(
     old_logps: torch.Tensor,
     sampling_logps: torch.Tensor,

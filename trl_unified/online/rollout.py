@@ -6,6 +6,7 @@ import torch
 
 from ..core.batch import TensorBatch, scalar_field
 from ..generation.output import sampled_token_mask
+from .importance_sampling import corrects_sampling
 
 
 @dataclass
@@ -142,7 +143,7 @@ class RolloutPlan:
 
     @classmethod
     def resolve(cls, rule: str, args, reference_available: bool) -> "RolloutPlan":
-        if getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False):
+        if corrects_sampling(args):
             return cls(True, True)  # TRL: the correction compares π_old with vLLM's log-probs, in both modes
         if rule == "always":
             return cls(True, True)

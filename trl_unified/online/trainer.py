@@ -34,7 +34,7 @@ from .completion_log import CompletionLog
 from .completions import CompletionsMixin, row_value
 from .config import OnlineConfig
 from .datasets import OnlineDataMixin
-from .importance_sampling import importance_sampling_ratio, mismatch_metrics
+from .importance_sampling import corrects_sampling, importance_sampling_ratio, mismatch_metrics
 from .metrics import OnlineMetricsMixin
 from .rewards import EventLoopThread, RewardFunctions, is_async_callable
 from .rollout import RolloutBatch, RolloutPlan
@@ -406,7 +406,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
                 ).logps
             if self.reference_model.available:
                 batch.ref_logps = self.reference_logprobs(input_ids, attention_mask, width, batch_size=chunk, **extra)
-        if self.vllm_engine is not None and getattr(self.args, "vllm_importance_sampling_correction", False):
+        if self.vllm_engine is not None and corrects_sampling(self.args):
             self._importance_sampling(batch)
 
     def _importance_sampling(self, batch: RolloutBatch) -> None:
