@@ -25,8 +25,8 @@ def test_no_function_in_the_package_is_over_80_lines():
 
 
 def test_generate_batched_keywords_are_the_generation_options_in_order():
-    """generate_batched builds its GenerationOptions positionally from its keywords: same names, same order, same
-    defaults."""
+    """generate_batched's keywords after `generation_config` are GenerationOptions' fields: same names, same order,
+    same defaults (one list of options, documented once)."""
     parameters = inspect.signature(generate_batched).parameters
     keywords = list(parameters)[4 : 4 + len(fields(GenerationOptions))]
     assert keywords == [f.name for f in fields(GenerationOptions)]

@@ -217,7 +217,7 @@ def test_hidden_state_path_with_lora_on_the_head_and_an_fp32_head(tokenizer, mon
     `cast_lm_head_to_fp32` on a bf16 model (the fused function, computing in the head's float32)."""
     from peft import LoraConfig, get_peft_model
 
-    from trl_unified.core.models import cast_lm_head_to_fp32
+    from trl_unified.models.loading import cast_lm_head_to_fp32
     from trl_unified.testing import build_causal_lm
 
     monkeypatch.setattr("trl_unified.core.lm_head._CHUNK_ELEMENTS", 3 * len(tokenizer))

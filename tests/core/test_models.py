@@ -190,7 +190,7 @@ def test_saving_a_composite_config_without_its_own_pad_id():
     vision tests save a Llava checkpoint)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
-    from trl_unified.core.token_ids import saved_without_unusable_pad
+    from trl_unified.models.token_ids import saved_without_unusable_pad
 
     text = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=1)  # fmt: skip

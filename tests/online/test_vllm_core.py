@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from tests.helpers import grpo_args, prompt_dataset, varied_reward
+from tests.helpers import grpo_args, prompt_dataset, rloo_args, varied_reward
 from trl_unified import GRPOTrainer
 from trl_unified.generation import generate_batched
 from trl_unified.generation.vllm_engine import VLLMEngine, VLLMServerEngine, group_runs, sampling_settings
@@ -233,19 +233,26 @@ def test_vespo_needs_a_token_level_correction_and_unknown_generation_kwargs_are_
         _engine_generation_kwargs(grpo_args(tmp_path, generation_kwargs={"frobnicate": 1}))
 
 
-def test_the_correction_applies_to_grpo_with_vllm_only(tmp_path):
+def test_the_correction_applies_to_grpo_with_vllm_only(tokenizer, tmp_path, monkeypatch):
     """GRPO with vLLM corrects by default (and then computes π_old in both modes, as TRL); GRPO without vLLM, with the
-    correction off, and RLOO (whose config has no correction fields) do not."""
-    from trl_unified import GRPOConfig, RLOOConfig
-    from trl_unified.online.importance_sampling import corrects_sampling
+    correction off, and RLOO (which has no correction) do not: each trainer's own `rollout_plan` says so."""
+    from trl_unified import RLOOTrainer
     from trl_unified.online.rollout import RolloutPlan
 
-    common = dict(output_dir=str(tmp_path), bf16=False, per_device_train_batch_size=4, num_generations=2)
-    grpo = GRPOConfig(use_vllm=True, vllm_mode="server", **common)
-    assert corrects_sampling(grpo) and RolloutPlan.resolve("trl", grpo, False) == RolloutPlan(True, True)
-    assert not corrects_sampling(GRPOConfig(**common))
-    assert not corrects_sampling(
-        GRPOConfig(use_vllm=True, vllm_mode="server", vllm_importance_sampling_correction=False, **common)
-    )
-    rloo = RLOOConfig(use_vllm=True, vllm_mode="server", **common)
-    assert not corrects_sampling(rloo) and RolloutPlan.resolve("trl", rloo, False) != RolloutPlan(True, True)
+    monkeypatch.setattr(VLLMEngine, "from_args", staticmethod(lambda a, m, acc: StandInEngine(a, m, tokenizer)))
+
+    def plan(trainer_class, **overrides):
+        make_args = rloo_args if trainer_class is RLOOTrainer else grpo_args
+        args = make_args(tmp_path, per_device_train_batch_size=4, num_generations=2, **overrides)
+        model = build_causal_lm(tokenizer)
+        trainer = trainer_class(
+            model, varied_reward, args=args, train_dataset=prompt_dataset(), processing_class=tokenizer
+        )
+        return getattr(trainer, "corrects_sampling", False), trainer.plan
+
+    vllm = dict(use_vllm=True, vllm_mode="server")
+    assert plan(GRPOTrainer, **vllm) == (True, RolloutPlan(True, True))
+    assert plan(GRPOTrainer) == (False, RolloutPlan.trl(grpo_args(tmp_path)))
+    assert plan(GRPOTrainer, vllm_importance_sampling_correction=False, **vllm)[0] is False
+    corrects, rloo_plan = plan(RLOOTrainer, **vllm)
+    assert not corrects and not rloo_plan.old_logps_train  # RLOO's own rule: one pass, one step per round

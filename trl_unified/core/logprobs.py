@@ -10,9 +10,9 @@ from transformers import Cache
 
 from ..generation.fallbacks import report_fallback
 from ..generation.sharing import PrefixSharingUnsupported, cache_kwarg, encode_prefix, group_prompts, split_rows
+from ..models.token_ids import embedding_rows, mask_padding
 from .lm_head import HiddenStateHead, token_scores
 from .packing import PackedRows, check_packing, packing_obstacle
-from .token_ids import embedding_rows, mask_padding
 
 
 # `padding_free=None` packs a call's rows when at least this share of their slots is padding. Measured on 2 CPU cores

@@ -7,7 +7,7 @@ from copy import deepcopy
 import torch
 from accelerate.utils import is_peft_model
 
-from .models import disable_dropout, load_model
+from ..models.loading import disable_dropout, load_model
 
 
 REF_ADAPTER = "ref"

@@ -12,6 +12,7 @@ from accelerate.utils import gather_object, set_seed
 from datasets import Dataset, IterableDataset
 from transformers import Trainer
 
+from ..data.batch import TensorBatch
 from ..data.datasets import (
     check_dataset_types,
     check_images_fit,
@@ -23,11 +24,7 @@ from ..generation import build_generation_config, generate_batched, get_eos_toke
 from ..generation.sharing import may_share_prefix, unsupported_reason
 from ..hub.model_card import write_model_card
 from ..hub.papers import PAPERS
-from .batch import TensorBatch
-from .config import PolicyConfig
-from .engines import warn_if_engine_differs
-from .logprobs import TokenLogprobs, compute_token_logprobs, position_ids_from_mask
-from .models import (
+from ..models.loading import (
     apply_peft,
     check_liger_kernel,
     default_output_dir,
@@ -38,9 +35,12 @@ from .models import (
     moe_aux_loss_setup,
     prepare_peft_checkpointing,
 )
+from ..models.token_ids import embedding_rows, in_table, saved_without_unusable_pad
+from .config import PolicyConfig
+from .engines import warn_if_engine_differs
+from .logprobs import TokenLogprobs, compute_token_logprobs, position_ids_from_mask
 from .reference import ReferenceModel
 from .shutdown import install_distributed_shutdown, release_ddp_wrapper
-from .token_ids import embedding_rows, in_table, saved_without_unusable_pad
 
 
 logger = logging.getLogger(__name__)
@@ -411,13 +411,17 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         return output
 
     # ------------------------------------------------------------------ logging
+    @property
+    def mode(self) -> str:
+        """`"train"` or `"eval"`: the policy's mode, which decides where metrics go and what a rollout computes."""
+        return "train" if self.model.training else "eval"
+
     def log_metric(self, name: str, value: float) -> None:
         """Record a metric for the current mode; `log()` averages it over the logging window and processes."""
-        mode = "train" if self.model.training else "eval"
-        self._metrics[mode][name].append(float(value))
+        self._metrics[self.mode][name].append(float(value))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = "train" if self.model.training else "eval"
+        mode = self.mode
         local = {k: [v for v in vals if not math.isnan(v)] for k, vals in self._metrics[mode].items()}
         local = {k: (sum(v), len(v)) for k, v in local.items()}
         merged: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
-from ..core.models import get_tokenizer
+from ..models.loading import get_tokenizer
 
 
 logger = logging.getLogger(__name__)

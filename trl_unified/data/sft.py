@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from trl import prepare_multimodal_messages
 
-from ..core.batch import TensorBatch, scalar_field
-from ..core.models import get_tokenizer
+from ..models.loading import get_tokenizer
+from .batch import TensorBatch, scalar_field
 from .datasets import (
     get_images,
     get_videos,

@@ -6,10 +6,10 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from ..core.models import from_pretrained_checked, get_tokenizer, load_model_plain
 from ..data.datasets import is_conversational_prompt
 from ..data.vision import prepare_visual_messages
 from ..generation import generate_batched, get_eos_token_ids
+from ..models.loading import from_pretrained_checked, get_tokenizer, load_model_plain
 from .answers import extract_answer
 
 

@@ -10,14 +10,13 @@ from collections.abc import Sequence
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase, ProcessorMixin
 
-from ..core.models import get_tokenizer
-from ..core.token_ids import embedding_rows, padding_fill_id
+from ..models.loading import get_tokenizer
+from ..models.token_ids import embedding_rows, padding_fill_id
 from . import lean, transformers_generate
 from .continuous_batching import generate_with_continuous_batching
 from .fallbacks import report_fallback
 from .options import (
     GenerationOptions,
-    build_generation_config,
     eos_ids,
     get_eos_token_ids,
     resolve_options,
@@ -29,27 +28,10 @@ from .packed_weights import MIN_NEW_TOKENS, packed_linear_weights
 from .prompts import (
     collate_chunk,
     encode_for_generation,
-    max_positions,
-    normalize_prompts,
     padding_token_id,
-    prompt_lengths,
 )
 from .sharing import chunk_groups, generation_prefix_cache
 from .unwrap import sharded_parameters, unwrap_for_generation
-
-
-# generate_batched, and the names other modules imported from here before the split (now in `trl_unified.generation`)
-__all__ = [
-    "GenerationOutput",
-    "build_generation_config",
-    "cut_after_eos",
-    "generate_batched",
-    "get_eos_token_ids",
-    "max_positions",
-    "normalize_prompts",
-    "prompt_lengths",
-    "unwrap_for_generation",
-]
 
 
 @torch.no_grad()
@@ -95,54 +77,48 @@ def generate_batched(
         `generate_batched(model, tokenizer, ["2+2=", "The capital of France is"], batch_size=2).texts`.
     """
     keywords = GenerationOptions(
-        batch_size,
-        strip_prompt,
-        accelerator,
-        gather_deepspeed3_params,
-        images,
-        videos,
-        pad_to_multiple_of,
-        chat_template_kwargs,
-        eos_token_ids,
-        shared_prefix,
-        continuous_batching,
-        lean_decoding,
-        return_logprobs,
-        vllm,
-    )  # fmt: skip  (GenerationOptions' fields, in order)
+        batch_size=batch_size, strip_prompt=strip_prompt, accelerator=accelerator,
+        gather_deepspeed3_params=gather_deepspeed3_params, images=images, videos=videos,
+        pad_to_multiple_of=pad_to_multiple_of, chat_template_kwargs=chat_template_kwargs, eos_token_ids=eos_token_ids,
+        shared_prefix=shared_prefix, continuous_batching=continuous_batching, lean_decoding=lean_decoding,
+        return_logprobs=return_logprobs, vllm=vllm,
+    )  # fmt: skip
     options = resolve_options(options, keywords)
-    accelerator = options.accelerator
-    tokenizer = get_tokenizer(processing_class)
-    bare = accelerator.unwrap_model(model) if accelerator is not None else model
+    bare = options.accelerator.unwrap_model(model) if options.accelerator is not None else model
     encoded = encode_for_generation(processing_class, prompts, options, bare, generation_config)
-    eos_ids_ = list(options.eos_token_ids) if options.eos_token_ids is not None else get_eos_token_ids(bare, tokenizer)
-    device = accelerator.device if accelerator is not None else next(bare.parameters()).device
-    if options.vllm is not None:
-        completions, logprobs = _generate_with_vllm(bare, encoded, generation_config, options, eos_ids_)
-        return build_output(encoded, completions, logprobs, tokenizer, eos_ids_, options, False, device)
-    with unwrap_for_generation(model, accelerator, options.gather_deepspeed3_params, generation_config) as unwrapped:
-        is_encoder_decoder = getattr(unwrapped.config, "is_encoder_decoder", False)
-        generation_config = with_decoder_start_token(unwrapped, generation_config)
+    tokenizer = get_tokenizer(processing_class)
+    eos = list(options.eos_token_ids) if options.eos_token_ids is not None else get_eos_token_ids(bare, tokenizer)
+    device = options.accelerator.device if options.accelerator is not None else next(bare.parameters()).device
+    generate = _generate_with_vllm if options.vllm is not None else _generate_with_model
+    completions, logprobs, is_encoder_decoder = generate(
+        model, encoded, generation_config, options, tokenizer, eos, device
+    )
+    return build_output(encoded, completions, logprobs, tokenizer, eos, options, is_encoder_decoder, device)
+
+
+def _generate_with_model(model, encoded, generation_config, options: GenerationOptions, tokenizer, eos, device):
+    """`(new tokens, log-probs, is_encoder_decoder)` from the model itself, inside `unwrap_for_generation`: all
+    prompts at once with continuous batching, else padded chunks (the lean loop or `model.generate`)."""
+    with unwrap_for_generation(model, options.accelerator, options.gather_deepspeed3_params, generation_config) as m:
+        is_encoder_decoder = getattr(m.config, "is_encoder_decoder", False)
+        generation_config = with_decoder_start_token(m, generation_config)
         if options.continuous_batching is not None:
-            completions, logprobs = (
-                generate_with_continuous_batching(unwrapped, encoded, generation_config, options),
-                [],
-            )
-        else:
-            pad_id = padding_token_id(tokenizer)
-            completions, logprobs = _generate_in_chunks(unwrapped, encoded, generation_config, options, pad_id, device)
-    return build_output(encoded, completions, logprobs, tokenizer, eos_ids_, options, is_encoder_decoder, device)
+            return generate_with_continuous_batching(m, encoded, generation_config, options), [], is_encoder_decoder
+        pad_id = padding_token_id(tokenizer)
+        completions, logprobs = _generate_in_chunks(m, encoded, generation_config, options, pad_id, device)
+    return completions, logprobs, is_encoder_decoder
 
 
-def _generate_with_vllm(model, encoded, generation_config, options: GenerationOptions, eos_token_ids):
-    """New tokens and their log-probs of every prompt from `options.vllm` (the weights are the engine's: the trainer
-    syncs them once per generation round before it calls)."""
+def _generate_with_vllm(model, encoded, generation_config, options: GenerationOptions, tokenizer, eos, device):
+    """`(new tokens, log-probs, False)` of every prompt from `options.vllm` (decoder-only: checked when the engine was
+    built; the weights are the engine's: the trainer syncs them once per generation round before it calls)."""
     if options.has_visual_inputs:
         raise NotImplementedError(
             "use_vllm=True generates text-only prompts here; rows with images or videos need use_vllm=False."
         )
     prompt_ids = [torch.as_tensor(e["input_ids"]).view(-1).tolist() for e in encoded]
-    return options.vllm.generate(prompt_ids, generation_config or model.generation_config, eos_token_ids)
+    bare = options.accelerator.unwrap_model(model) if options.accelerator is not None else model
+    return *options.vllm.generate(prompt_ids, generation_config or bare.generation_config, eos), False
 
 
 def _generate_in_chunks(model, encoded, generation_config, options: GenerationOptions, pad_token_id, device):

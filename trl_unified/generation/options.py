@@ -11,8 +11,8 @@ from typing import Any
 
 from transformers import GenerationConfig
 
-from ..core.models import get_tokenizer
-from ..core.token_ids import embedding_rows, in_table
+from ..models.loading import get_tokenizer
+from ..models.token_ids import embedding_rows, in_table
 
 
 @dataclass

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from ..core.models import get_tokenizer
 from ..data.datasets import pad
+from ..models.loading import get_tokenizer
 from .options import GenerationOptions
 from .prompts import is_sequence_aligned, padding_token_id
 

@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from ..core.models import get_tokenizer
-from ..core.token_ids import check_ids_in_table, embedding_rows
 from ..data.datasets import is_conversational_prompt, pad
 from ..data.vision import processor_visual_kwargs
+from ..models.loading import get_tokenizer
+from ..models.token_ids import check_ids_in_table, embedding_rows
 from .options import GenerationOptions
 
 

@@ -1,10 +1,11 @@
 """Model cards: README.md with the trainer, base model, datasets, tags and the algorithm's citation."""
 
+import importlib.metadata
 import os
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from ..core.models import model_id_of
+from ..models.loading import model_id_of
 
 
 _TEMPLATE = """---
@@ -54,17 +55,15 @@ def _versions() -> str:
     import transformers
     import trl
 
-    import trl_unified
-
     pairs = [
-        ("trl_unified", trl_unified),
         ("TRL", trl),
         ("Transformers", transformers),
         ("PyTorch", torch),
         ("Datasets", datasets),
         ("Accelerate", accelerate),
     ]
-    return "\n".join(f"- {name}: {module.__version__}" for name, module in pairs)
+    own = f"- trl_unified: {importlib.metadata.version('trl_unified')}\n"  # the installed package's version
+    return own + "\n".join(f"- {name}: {module.__version__}" for name, module in pairs)
 
 
 def write_model_card(

@@ -25,7 +25,7 @@ from typing import Any
 from trl import add_response_schema, get_training_chat_template, supports_tool_calling
 from trl.chat_template_utils import is_chat_template_prefix_preserving, parse_response
 
-from ..core.models import get_tokenizer
+from ..models.loading import get_tokenizer
 from .rewards import EventLoopThread, is_async_callable
 
 

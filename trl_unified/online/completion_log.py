@@ -24,6 +24,7 @@ class CompletionLog:
             "advantages": deque(maxlen=size),
             "extra": defaultdict(lambda: deque(maxlen=size)),
         }
+        self._rewards = deque(maxlen=size)  # each completion's combined reward (NaN: unscored)
         self._pending_extra: dict[str, list] = defaultdict(list)
         self._rounds = self._printed = 0
 
@@ -31,12 +32,16 @@ class CompletionLog:
         """`log_extra` for reward functions: one value per completion of this process, shown as a column."""
         self._pending_extra[column].extend(values)
 
-    def add_round(self, prompts, completions, images, rewards_per_func, reward_names, advantages, log_images=True):
+    def add_round(
+        self, prompts, completions, images, rewards, rewards_per_func, reward_names, advantages, log_images=True
+    ):
         """Add one generation round. `prompts`/`completions`/`images`: this process's rows (gathered here, so every
-        process must call it); `rewards_per_func` `(N_global, F)` and `advantages` `(N_global,)` are already global."""
+        process must call it); `rewards` `(N_global,)` (the trainer's weighting, or None when nothing is scored),
+        `rewards_per_func` `(N_global, F)` and `advantages` `(N_global,)` are already global."""
         logs = self.columns
         logs["prompt"].extend(gather_object(prompts))
         logs["completion"].extend(gather_object(completions))
+        self._rewards.extend(rewards.tolist() if rewards is not None else [float("nan")] * len(completions))
         for i, name in enumerate(reward_names):
             logs["rewards"][name].extend(rewards_per_func[:, i].tolist())
         if advantages is not None:
@@ -54,12 +59,9 @@ class CompletionLog:
         """Advantages of a round, `(N_global,)`, when they are known only in the loss (RLOO's deferred KL shaping)."""
         self.columns["advantages"].extend(advantages.tolist())
 
-    def rows(self, combine, unique_prompts: bool = False, limit: int | None = None) -> list[tuple]:
-        """`(prompt, completion, reward, {column: value})` per logged completion; `combine` maps the `(N, F)` rewards
-        per function to `(N,)` (the trainer's weighting)."""
-        logs = self.columns
-        per_func = torch.tensor(list(zip(*logs["rewards"].values())), dtype=torch.float32)  # (N, F)
-        rewards = combine(per_func).tolist() if per_func.numel() else [float("nan")] * len(logs["prompt"])
+    def rows(self, unique_prompts: bool = False, limit: int | None = None) -> list[tuple]:
+        """`(prompt, completion, reward, {column: value})` per logged completion."""
+        logs, rewards = self.columns, self._rewards
         columns = dict(logs["extra"])
         if logs["advantages"]:
             columns["advantage"] = logs["advantages"]
@@ -71,12 +73,12 @@ class CompletionLog:
             rows = list({str(row[0]): row for row in rows}.values())
         return rows[: limit or len(rows)]
 
-    def report(self, step: int, combine, args) -> None:
+    def report(self, step: int, args) -> None:
         """Print the rounds added since the last report (once each), and log them to W&B when it is enabled."""
         if self._printed >= self._rounds:
             return
         self._printed = self._rounds
-        rows = self.rows(combine, args.log_unique_prompts, args.num_completions_to_print)
+        rows = self.rows(args.log_unique_prompts, args.num_completions_to_print)
         for prompt, completion, reward, extra in rows:
             values = "".join(f"\n  {k}: {v}" for k, v in extra.items())
             print(f"[step {step}] reward={reward:.3f}\n  prompt: {prompt}\n  completion: {completion}{values}")

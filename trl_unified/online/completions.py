@@ -7,21 +7,23 @@ from typing import Any, NamedTuple
 
 from trl import is_conversational
 
-from ..core.models import get_tokenizer
 from ..generation import GenerationOutput, max_positions
+from ..models.loading import get_tokenizer
 from .agents import ToolLoop, parse_turn
 
 
 class SampledCompletions(NamedTuple):
     """What `_generate` returns: the completions as a `GenerationOutput` (with the tool mask of multi-turn rows), as
-    the reward functions see them (texts, or lists of messages), the extra per-row fields of a `rollout_func`, and
-    the tool calls / failures of this process."""
+    the reward functions see them (texts, or lists of messages), the extra per-row fields of a `rollout_func`, the
+    tool calls / failures of this process, and whether the output's log-probs are the trained policy's own (the
+    lean decode loop's) rather than another engine's (vLLM's)."""
 
     generation: GenerationOutput
     completions: list
     extra_fields: dict[str, Any]
     tool_calls: int = 0
     tool_failures: int = 0
+    logprobs_are_policy: bool = True
 
 
 class CompletionsMixin:
@@ -52,11 +54,13 @@ class CompletionsMixin:
             prompt_ids = self._tokenize_with_tools(prompts)
             completion_ids = self.generate(prompt_ids, **sampling).completion_ids_list
         else:
-            logprobs = self.old_logps_from_sampling or self.vllm_engine is not None  # vLLM's: for its correction
-            out = self.generate(prompts, images=images, return_logprobs=logprobs, **sampling)
+            policy = self.vllm_engine is None  # vLLM's log-probs: compared with π_old by a sampling correction
+            out = self.generate(
+                prompts, images=images, return_logprobs=self.old_logps_from_sampling or not policy, **sampling
+            )
             conversational = is_conversational({"prompt": prompts[0]})
             completions = [[{"role": "assistant", "content": t}] for t in out.texts] if conversational else out.texts
-            return SampledCompletions(out, completions, {})
+            return SampledCompletions(out, completions, {}, logprobs_are_policy=policy)
         completions = self._parse_completions(prompts, prompt_ids, completion_ids)
         tool_mask, calls, failures = extra_fields.pop("env_mask", None) if not self.tools else None, 0, 0
         if self.tools:

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from ..core.logprobs import position_ids_from_mask  # noqa: F401 (re-exported: PPO's users import it here)
-from ..core.models import get_tokenizer
-from ..core.token_ids import check_ids_in_table, check_table_covers_tokenizer, embedding_rows, mask_padding
+from ..models.loading import get_tokenizer
+from ..models.token_ids import check_ids_in_table, check_table_covers_tokenizer, embedding_rows, mask_padding
 
 
 VALUE_WEIGHTS = "value_model.pt"
@@ -150,7 +150,7 @@ class ValueHead:
 
     def __call__(self, input_ids, attention_mask, position_ids, logits_to_keep: int) -> torch.Tensor:
         """Values `(B, C)` of the states before each of the last `logits_to_keep` tokens (hidden padding beyond the
-        value model's embedding table read as 0, `core/token_ids.py`)."""
+        value model's embedding table read as 0, `models/token_ids.py`)."""
         backbone = getattr(self.model, self.model.base_model_prefix)
         hidden = backbone(
             input_ids=mask_padding(input_ids, attention_mask, self.rows),
@@ -245,7 +245,7 @@ class CriticMixin:
         policy at `trainer.model.policy`); saving keeps it out of the published policy and checkpoints keep it for an
         exact resume."""
         if isinstance(value_model, str):
-            from ..core.models import load_model_plain
+            from ..models.loading import load_model_plain
 
             value_model = load_model_plain(value_model, what="value model", num_labels=1)
         check_table_covers_tokenizer(value_model, get_tokenizer(self.processing_class), "value model")

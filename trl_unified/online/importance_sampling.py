@@ -18,8 +18,10 @@ import warnings
 from dataclasses import dataclass, fields
 
 import torch
+from accelerate.utils import gather
 
 from ..core.config import option
+from .rollout import RolloutBatch, RolloutPlan
 
 
 IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
@@ -66,10 +68,41 @@ class ImportanceSamplingConfig:
 IMPORTANCE_SAMPLING_FIELDS = tuple(f.name for f in fields(ImportanceSamplingConfig))
 
 
-def corrects_sampling(args) -> bool:
-    """Whether a run applies the correction: its config has the fields (GRPO), it generates with vLLM and the
-    correction is on (TRL's default). RLOO and PPO configs have no such fields: never."""
-    return isinstance(args, ImportanceSamplingConfig) and args.use_vllm and args.vllm_importance_sampling_correction
+class ImportanceSamplingMixin:
+    """The correction as an online trainer's hooks (GRPO: mix in before `OnlineTrainer`; its config has the fields
+    of `ImportanceSamplingConfig`). With vLLM and `vllm_importance_sampling_correction` on (TRL's default), π_old is
+    computed in both modes (`rollout_plan`) and `correct_sampling` sets `batch.importance_sampling_ratio`."""
+
+    @property
+    def corrects_sampling(self) -> bool:
+        """Whether this run applies the correction: it generates with vLLM and the correction is on."""
+        return self.vllm_engine is not None and self.args.vllm_importance_sampling_correction
+
+    def rollout_plan(self) -> RolloutPlan:
+        # TRL: the correction compares π_old with vLLM's log-probs, in both modes
+        return RolloutPlan(True, True) if self.corrects_sampling else super().rollout_plan()
+
+    def correct_sampling(self, batch: RolloutBatch) -> None:
+        """The ratio w of the module docstring into `batch.importance_sampling_ratio`, and TRL's `sampling/*`
+        metrics over every process."""
+        if not self.corrects_sampling:
+            return
+        a, mask = self.args, batch.loss_mask
+        if batch.sampling_logps is None:  # a tool loop or rollout_func: no engine log-probs, w = 1 (TRL's NaN rule)
+            batch.sampling_logps = torch.full_like(batch.old_logps, float("nan"))
+        mode, low, high = (
+            a.vllm_importance_sampling_mode,
+            a.vllm_importance_sampling_clip_min,
+            a.vllm_importance_sampling_clip_max,
+        )
+        batch.importance_sampling_ratio = importance_sampling_ratio(
+            batch.old_logps, batch.sampling_logps, mask, mode, low, high
+        )
+        stats = mismatch_metrics(batch.old_logps, batch.sampling_logps, mask, batch.importance_sampling_ratio, mode)
+        for name, value in stats.items():
+            values = gather(value.reshape(1))
+            reduce = torch.max if name.endswith("max") else torch.min if name.endswith("min") else torch.mean
+            self.log_metric(name, reduce(values[~torch.isnan(values)]).item() if values.numel() else 0.0)
 
 
 def importance_sampling_ratio(

@@ -10,9 +10,10 @@ from .rewards import nanstd
 class OnlineMetricsMixin:
     """Metric logging of `OnlineTrainer` (a mixin: it reads `self.accelerator`, `self.state`, `self.rewards`)."""
 
-    def _log_generation_metrics(self, mode, out, sampled):
+    def _log_generation_metrics(self, mode, samples):
         """TRL's completion metrics, over the tokens the model sampled (tool-result tokens do not count), and the
         tool metrics when there are tools: calls per rollout and failures per call, over all processes."""
+        out = samples.generation
         lengths = gather(out.model_token_mask.sum(1).float())
         truncated = gather(out.is_truncated.float())
         if mode == "train":
@@ -20,13 +21,13 @@ class OnlineMetricsMixin:
             self.state.num_input_tokens_seen += tokens
         if self.tools:
             device = lengths.device
-            calls = gather(torch.tensor([float(sampled.tool_calls)], device=device)).sum()
-            failures = gather(torch.tensor([float(sampled.tool_failures)], device=device)).sum()
+            calls = gather(torch.tensor([float(samples.tool_calls)], device=device)).sum()
+            failures = gather(torch.tensor([float(samples.tool_failures)], device=device)).sum()
             self.log_metric("tools/call_frequency", (calls / lengths.numel()).item())
             self.log_metric("tools/failure_frequency", (failures / calls).item() if calls > 0 else 0.0)
             # trl_unified's addition (TRL 1.16 logs no turn count): model turns per completion
             turns = [
-                sum(m.get("role") == "assistant" for m in c) if isinstance(c, list) else 1 for c in sampled.completions
+                sum(m.get("role") == "assistant" for m in c) if isinstance(c, list) else 1 for c in samples.completions
             ]
             self.log_metric(
                 "tools/turns_per_completion", gather(torch.tensor(turns, device=device).float()).mean().item()
@@ -45,6 +46,11 @@ class OnlineMetricsMixin:
             self.log_metric(f"rewards/{name}/std", nanstd(rewards_per_func[:, i]).item())
         self.log_metric("reward", torch.nanmean(rewards).item())
         self.log_metric("reward_std", nanstd(rewards).item())
+
+    def log_zero_std_fraction(self, std: torch.Tensor) -> None:
+        """TRL's `frac_reward_zero_std`: the fraction of the reward standard deviations `std` that are 0 (groups
+        whose completions all scored alike: no learning signal)."""
+        self.log_metric("frac_reward_zero_std", torch.isclose(std, torch.zeros_like(std)).float().mean().item())
 
     def masked_global_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
         """Mean over all processes: token-weighted under `mask` for `(B, C)`, per sequence for `(B, 1)`."""

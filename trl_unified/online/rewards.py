@@ -12,8 +12,8 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 from trl import apply_chat_template, is_conversational
 
-from ..core.models import from_pretrained_checked, load_tokenizer, model_id_of
-from ..core.token_ids import check_ids_in_table, check_table_covers_tokenizer, embedding_rows, padding_fill_id
+from ..models.loading import from_pretrained_checked, load_tokenizer, model_id_of
+from ..models.token_ids import check_ids_in_table, check_table_covers_tokenizer, embedding_rows, padding_fill_id
 
 
 RewardFunc = str | PreTrainedModel | Callable[..., list[float | None]]

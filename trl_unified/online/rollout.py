@@ -1,12 +1,50 @@
-"""`RolloutBatch`: the typed output of an online rollout, what the loss of every online trainer reads."""
+"""The two stages of an online rollout and their typed hand-offs: `Samples` (what sampling produced, before anything is
+scored), `RolloutBatch` (what the loss of every online trainer reads), and `RolloutPlan` (what a trainer's rollout
+computes)."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from ..core.batch import TensorBatch, scalar_field
-from ..generation.output import sampled_token_mask
-from .importance_sampling import corrects_sampling
+from ..data.batch import TensorBatch, scalar_field
+from ..generation.output import GenerationOutput, sampled_token_mask
+
+
+@dataclass
+class Samples:
+    """Stage one's output for one process's rows of a generation round (`OnlineTrainer.sample`), the input of stage
+    two (`OnlineTrainer.finish`). Sampling may run ahead of training (asynchronous rollouts queue these), so nothing
+    here depends on the weights being trained except through `policy_version`.
+
+    Fields:
+        rows: the dataset rows, with a `rollout_func`'s extra per-row fields merged in.
+        prompts: the prompts as the reward functions see them (after an environment's `reset` observation).
+        images: per-row images, or None for text rows.
+        generation: prompt and completion token ids and masks (`(B, P)`, `(B, C)`), the tool mask of multi-turn rows,
+            and `logprobs` `(B, C)`: the sampled tokens' log-probs when the engine returned them.
+        completions: the completions as the reward functions see them (texts, or lists of messages).
+        policy_version: the optimiser step of the weights that sampled them (`state.global_step` when they were
+            synced to the engine).
+        logprobs_are_policy: the sampling log-probs are the trainer's own policy's (the lean decode loop's logits,
+            π_old), not another engine's (vLLM's, which the importance-sampling correction compares with π_old).
+        tool_calls, tool_failures: this process's tool calls and failed calls (multi-turn rollouts).
+        environments: the environment instance of each row (reward functions read them), or None.
+    """
+
+    rows: list[dict[str, Any]]
+    prompts: list
+    images: list | None
+    generation: GenerationOutput
+    completions: list
+    policy_version: int
+    logprobs_are_policy: bool
+    tool_calls: int = 0
+    tool_failures: int = 0
+    environments: list | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
 
 @dataclass
@@ -66,13 +104,12 @@ class RolloutBatch(TensorBatch):
         return self.prompt_ids.size(0)
 
     @classmethod
-    def from_generation(
-        cls, out, mask_truncated_completions: bool = False, logprobs_are_old: bool = True
-    ) -> "RolloutBatch":
-        """The batch of a `GenerationOutput`, before scoring (`rewards` / `row_index` are filled in by the rollout).
-        With `mask_truncated_completions`, a completion that hit the length limit without EOS is masked out whole.
-        The output's sampling log-probs are π_old when `logprobs_are_old` (the policy's own decoding logits), else
+    def from_samples(cls, samples: Samples, mask_truncated_completions: bool = False) -> "RolloutBatch":
+        """The batch of `samples`, before scoring (`rewards` / `row_index` are filled in by `finish`). With
+        `mask_truncated_completions`, a completion that hit the length limit without EOS is masked out whole. The
+        sampling log-probs are π_old when they are the policy's own (`samples.logprobs_are_policy`), else
         `sampling_logps` (another engine's, e.g. vLLM's)."""
+        out, policy = samples.generation, samples.logprobs_are_policy
         completion_mask = out.completion_mask
         if mask_truncated_completions:
             completion_mask = completion_mask * (~out.is_truncated).unsqueeze(1).long()
@@ -87,8 +124,8 @@ class RolloutBatch(TensorBatch):
             visual_inputs=out.visual_inputs,
             prompt_token_inputs=dict(out.prompt_token_inputs or {}),
             tool_mask=out.tool_mask,
-            old_logps=out.logprobs if logprobs_are_old else None,
-            sampling_logps=None if logprobs_are_old else out.logprobs,
+            old_logps=out.logprobs if policy else None,
+            sampling_logps=None if policy else out.logprobs,
         )
 
     @property
@@ -124,17 +161,14 @@ class RolloutBatch(TensorBatch):
 
 @dataclass(frozen=True)
 class RolloutPlan:
-    """What a rollout computes, per mode, resolved once from an online trainer's `old_logps` rule and its config.
+    """What a rollout computes, per mode: a trainer's answer to `OnlineTrainer.rollout_plan()`, asked once in
+    `setup()`. Each trainer states its own rule beside its loss (RLOO, PPO, distillation, GRPO's importance-sampling
+    correction); the online core only reads the answer.
 
-    `old_logps` rules (π_old: the per-token log-probs at sampling time, read by the ratio of the loss):
-    - `"trl"`: TRL's rule, only when the policy can change between generation and a use of the batch, i.e. when an
-      optimiser step falls inside one generation round: `gradient_accumulation_steps % (steps_per_generation *
-      num_iterations) != 0`; in training only.
-    - `"always"`: in training and evaluation (PPO: π_old anchors the ratio and the KL penalty).
-    - `"unless_unchanged"`: always, except in training when the policy is unchanged between generation and every
-      use of the batch (one pass, one optimiser step per generation round, and with a reference, the whole
-      generation batch in one micro-batch): then π_old equals the loss forward's log-probs, detached, and the
-      advantages, whose reward is KL-shaped with π_old (RLOO), are computed in the loss (`defers_advantages`).
+    old_logps_train, old_logps_eval: whether the rollout computes π_old (the per-token log-probs at sampling time,
+        read by the ratio of the loss) with a no-grad forward, where sampling did not already return them.
+    defer_advantages: training advantages wait for the loss forward (RLOO: a reward KL-shaped with π_old, when π_old
+        is that forward's log-probs).
     """
 
     old_logps_train: bool
@@ -142,21 +176,12 @@ class RolloutPlan:
     defer_advantages: bool = False
 
     @classmethod
-    def resolve(cls, rule: str, args, reference_available: bool) -> "RolloutPlan":
-        if corrects_sampling(args):
-            return cls(True, True)  # TRL: the correction compares π_old with vLLM's log-probs, in both modes
-        if rule == "always":
-            return cls(True, True)
-        if rule == "never":  # no ratio in the loss (distillation)
-            return cls(False, False)
-        if rule == "trl":
-            window = args.steps_per_generation * args.num_iterations
-            return cls(args.gradient_accumulation_steps % window != 0, False)
-        if rule == "unless_unchanged":
-            aligned = args.num_iterations == 1 and args.steps_per_generation == args.gradient_accumulation_steps
-            unchanged = aligned and (args.beta == 0.0 or args.steps_per_generation == 1)
-            return cls(not unchanged, True, defer_advantages=unchanged and reference_available)
-        raise ValueError(f"Unknown old_logps rule {rule!r}: expected 'trl', 'always', 'unless_unchanged' or 'never'.")
+    def trl(cls, args) -> "RolloutPlan":
+        """TRL's rule: π_old only when the policy can change between generation and a use of the batch, i.e. when an
+        optimiser step falls inside one generation round (`gradient_accumulation_steps % (steps_per_generation *
+        num_iterations) != 0`); in training only."""
+        window = args.steps_per_generation * args.num_iterations
+        return cls(args.gradient_accumulation_steps % window != 0, False)
 
     def needs_old_logps(self, mode: str) -> bool:
         return self.old_logps_train if mode == "train" else self.old_logps_eval

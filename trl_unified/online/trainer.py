@@ -1,14 +1,16 @@
-"""The online-RL core that RLOO, GRPO and PPO share, written once: orchestration only.
+"""The online-RL core that RLOO, GRPO, PPO and distillation share, written once: orchestration only.
 
-`OnlineTrainer` owns the generation buffer and the rollout:
+`OnlineTrainer` owns the generation buffer and the rollout, in two stages with a typed hand-off:
 
-    rows → prompts (+ images; environments reset) → completions (`online/completions.py`: generation, rollout_func,
-         tool loop) → `RolloutBatch` → old / reference per-token log-probs (only when needed) → rewards (gathered;
-         errors name the step, the function and the row) → metrics (`online/metrics.py`) and the completion log →
-         advantages (the subclass's `compute_advantages`)
+    sample(rows) -> Samples:        rows -> prompts (+ images; environments reset) -> completions
+                                    (`online/completions.py`: generation, rollout_func, tool loop)
+    finish(samples) -> RolloutBatch: old / reference per-token log-probs (as the trainer's `RolloutPlan` says) ->
+                                    `correct_sampling` -> `score_rollout`: rewards (gathered; errors name the step,
+                                    the function and the row), metrics (`online/metrics.py`), the completion log,
+                                    advantages (the trainer's `compute_advantages`)
 
-A subclass implements `compute_advantages` and `compute_policy_loss`, and declares what its rollout needs as class
-attributes (`old_logps`, `old_logps_from_sampling`, `reshuffle_each_iteration`), resolved once into `self.plan`.
+Synchronous training runs them back to back (`rollout`); sampling may run ahead of training, finishing happens under
+the current weights. The core never asks which trainer it serves: each decision is a hook (see `OnlineTrainer`).
 Datasets and samplers: `online/datasets.py`; config: `online/config.py`; a learned critic: `online/critic.py`.
 """
 
@@ -23,53 +25,50 @@ from datasets import IterableDataset
 from trl import is_conversational, prepare_multimodal_messages
 
 from ..core.logprobs import TokenLogprobs
-from ..core.models import cast_lm_head_to_fp32, get_tokenizer
 from ..core.reference import prepare_frozen_model
 from ..core.trainer import PolicyTrainerBase
 from ..data.datasets import get_images
 from ..generation import GenerationOutput
 from ..generation.vllm_engine import VLLMEngine
+from ..models.loading import cast_lm_head_to_fp32, get_tokenizer
 from .agents import EMPTY_PROMPT, Environments, check_tool, check_tool_support, prepare_tool_template
 from .completion_log import CompletionLog
 from .completions import CompletionsMixin, row_value
 from .config import OnlineConfig
 from .datasets import OnlineDataMixin
-from .importance_sampling import corrects_sampling, importance_sampling_ratio, mismatch_metrics
 from .metrics import OnlineMetricsMixin
 from .rewards import EventLoopThread, RewardFunctions, is_async_callable
-from .rollout import RolloutBatch, RolloutPlan
+from .rollout import RolloutBatch, RolloutPlan, Samples
 
 
 logger = logging.getLogger(__name__)
 
 
 class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, PolicyTrainerBase):
-    """Base of the online trainers (RLOO, GRPO, PPO): TRL's constructor and usage surface, the rollout and its buffer.
+    """Base of the online trainers (RLOO, GRPO, PPO, distillation): TRL's constructor and usage surface, the rollout
+    and its buffer.
 
-    A subclass implements:
+    Hooks a trainer overrides (the core calls them and never inspects the trainer's config class):
+    - `compute_policy_loss(model, inputs, num_items_in_batch)`: the loss of one `RolloutBatch` micro-batch (required);
     - `compute_advantages(rewards, rewards_per_func, batch, mode)`: `(N_global,)` advantages from the gathered
-      rewards (groups of G contiguous; NaN = unscorable) and this process's `RolloutBatch` (old/reference log-probs);
-      or, for per-token local advantages (PPO's GAE), `assign_advantages`.
-    - `compute_policy_loss(model, inputs, num_items_in_batch)`: the loss of one `RolloutBatch` micro-batch.
+      rewards (groups of G contiguous; NaN = unscorable), or `assign_advantages` for per-token, local advantages
+      (PPO's GAE);
+    - `rollout_plan()`: which log-probs a rollout computes (`RolloutPlan`; default TRL's rule);
+    - `correct_sampling(batch)`: correct the batch for the sampling engine once π_old is known (default: nothing;
+      GRPO's importance sampling, `online/importance_sampling.py`);
+    - `build_rewards()`, `score_rollout(batch, samples, mode)`: the reward functions and how a round is scored
+      (default: TRL's reward functions, then the advantages; distillation has neither).
 
-    and may declare (class attributes, resolved once in `setup()` into `self.plan`, see `RolloutPlan`):
-    - `old_logps`: when the rollout computes the old per-token log-probs π_old: `"trl"` (TRL's rule: when an
-      optimiser step falls inside one generation round), `"always"` (PPO), or `"unless_unchanged"` (RLOO: skipped
-      when the policy cannot change between generation and use; a KL-shaped reward then waits for the loss forward);
-    - `old_logps_from_sampling`: read π_old from the logits the lean decode loop computed while sampling instead of
-      a no-grad forward of the policy (PPO, as TRL's PPO reads `generate`'s scores);
-    - `reshuffle_each_iteration`: each of the `num_iterations` passes over a rollout draws a new order of
-      micro-batches (PPO's epochs over shuffled mini-batches) rather than reusing the first pass's;
-    - `scores_rewards = False`: no reward functions and no advantages (distillation), `batch_class`: the
-      `RolloutBatch` subclass a rollout builds.
+    and may declare, as class attributes: `old_logps_from_sampling` (read π_old from the logits the lean decode loop
+    computed while sampling instead of a no-grad forward: PPO, as TRL's PPO reads `generate`'s scores),
+    `reshuffle_each_iteration` (each of the `num_iterations` passes over a rollout draws a new order of micro-batches:
+    PPO's epochs), `batch_class` (the `RolloutBatch` subclass a rollout builds).
     """
 
     config_class = OnlineConfig
     repeats_prompts = True  # groups of G completions: log-prob forwards encode each prompt once where allowed
-    old_logps = "trl"
     old_logps_from_sampling = False
     reshuffle_each_iteration = False
-    scores_rewards = True  # False: no reward functions, no advantages (distillation)
     batch_class = RolloutBatch  # what a rollout returns (a subclass may add views of it)
     _entropy_bonus_enabled = False  # TRL's attribute: entropies keep their gradient when an entropy bonus is on
 
@@ -121,24 +120,13 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
             if self.reference_model.kind == "copy":
                 cast_lm_head_to_fp32(self.accelerator.unwrap_model(self.reference_model.model))
         self._setup_agents()
-        reward_funcs, reward_processing_classes = self._reward_sources
-        self.rewards = None
-        if self.scores_rewards:
-            self.rewards = RewardFunctions(
-                reward_funcs,
-                reward_processing_classes,
-                self.args.reward_weights,
-                self.args,
-                extra_funcs=self._env.reward_funcs if self._env is not None else (),
-            )
-            for i, reward_model in self.rewards.models():
-                self.rewards.funcs[i] = prepare_frozen_model(reward_model.requires_grad_(False), self.accelerator)
+        self.rewards = self.build_rewards()
         self._check_prompt_lengths()
         # vLLM (use_vllm=True): one generation engine for training, evaluation and the tool loop (docs/vllm.md)
         self.vllm_engine = (
             VLLMEngine.from_args(self.args, self.model, self.accelerator) if self.args.use_vllm else None
         )
-        self.plan = RolloutPlan.resolve(self.old_logps, self.args, self.reference_model.available)
+        self.plan = self.rollout_plan()
         self._step, self._buffer, self._rollout, self._step_time = 0, None, None, 0.0
         self.completion_log = CompletionLog(self.args.generation_batch_size)
         # Each process samples different completions, reproducibly (the samplers have their own seeded generator).
@@ -201,6 +189,10 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
     def num_generations_eval(self) -> int:
         return self.args.num_generations_eval or self.args.num_generations
 
+    def group_size(self, mode: str) -> int:
+        """G: the completions per prompt of `mode`'s generation batches (contiguous groups of G rows)."""
+        return self.num_generations if mode == "train" else self.num_generations_eval
+
     @property
     def beta(self) -> float:
         return self.args.beta
@@ -230,6 +222,24 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         """`(N_global,)` advantages. `rewards`: the weighted sum over functions `(N_global,)`, NaN where no function
         scored the row; `rewards_per_func`: `(N_global, num_funcs)`; groups of G rows contiguous."""
         raise NotImplementedError(f"{type(self).__name__} must implement compute_advantages.")
+
+    def rollout_plan(self) -> RolloutPlan:
+        """Which log-probs a rollout computes, asked once in `setup()` (default: TRL's rule, `RolloutPlan.trl`)."""
+        return RolloutPlan.trl(self.args)
+
+    def build_rewards(self) -> RewardFunctions | None:
+        """The reward functions (TRL's `reward_funcs`, reward models loaded and frozen, environment rewards)."""
+        reward_funcs, reward_processing_classes = self._reward_sources
+        extra = self._env.reward_funcs if self._env is not None else ()
+        rewards = RewardFunctions(
+            reward_funcs, reward_processing_classes, self.args.reward_weights, self.args, extra_funcs=extra
+        )
+        for i, reward_model in rewards.models():
+            rewards.funcs[i] = prepare_frozen_model(reward_model.requires_grad_(False), self.accelerator)
+        return rewards
+
+    def correct_sampling(self, batch: RolloutBatch) -> None:
+        """Correct `batch` for its sampling engine once π_old is known (default: nothing)."""
 
     def generation_options(self) -> dict[str, Any]:
         with torch.no_grad():  # generation runs without grad (and with checkpointing off)
@@ -347,34 +357,53 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
 
     # ------------------------------------------------------------------ the rollout
     def rollout(self, rows: list[dict[str, Any]]) -> RolloutBatch:
-        """Generate for this process's rows, score them, and return the typed batch (see the module docstring)."""
-        mode = "train" if self.model.training else "eval"
+        """One generation round for this process's rows, synchronously: `finish(sample(rows))`."""
+        return self.finish(self.sample(rows))
+
+    def sample(self, rows: list[dict[str, Any]]) -> Samples:
+        """Stage one: the rows' prompts (after each environment's `reset`) and their completions. No collective
+        and no metric: it may run ahead of training, on weights `policy_version` steps old."""
         prompts, images = self._rollout_prompts(rows)
         sampled = self._generate(prompts, images)
-        out = sampled.generation
-        from_policy = self.vllm_engine is None  # the lean loop's sampling log-probs are the policy's own: π_old
-        batch = self.batch_class.from_generation(out, self.args.mask_truncated_completions, from_policy)
-        batch.num_loss_tokens = self.accelerator.gather(batch.loss_mask.sum()).sum().item()
-        self._log_generation_metrics(mode, out, sampled)
-        self._rollout_logps(batch, mode)
         rows = [{**row, **{k: row_value(v, i) for k, v in sampled.extra_fields.items()}} for i, row in enumerate(rows)]
-        n, rank = len(rows), self.accelerator.process_index
-        advantages, names = None, []
-        if self.rewards is not None:
-            rewards_per_func = self._score(rows, prompts, sampled.completions, out)
-            rewards, names = self.rewards.combine(rewards_per_func), self.rewards.names  # (N_global,)
-            self._log_reward_metrics(rewards_per_func, rewards)
-        else:  # a trainer without rewards (distillation: the teacher's distributions are the signal)
-            rewards_per_func = torch.zeros(n * self.accelerator.num_processes, 0, device=batch.prompt_ids.device)
-            rewards = rewards_per_func.sum(1)
+        return Samples(
+            rows, prompts, images, sampled.generation, sampled.completions,
+            policy_version=self.state.global_step,
+            logprobs_are_policy=sampled.logprobs_are_policy,
+            tool_calls=sampled.tool_calls, tool_failures=sampled.tool_failures,
+            environments=self._env.instances if self._env is not None else None,
+        )  # fmt: skip
+
+    def finish(self, samples: Samples) -> RolloutBatch:
+        """Stage two, under the current weights: the typed batch with its old / reference log-probs, the sampling
+        correction, rewards and advantages, and the round's metrics (see the module docstring)."""
+        mode = self.mode
+        batch = self.batch_class.from_samples(samples, self.args.mask_truncated_completions)
+        batch.num_loss_tokens = self.accelerator.gather(batch.loss_mask.sum()).sum().item()
+        self._log_generation_metrics(mode, samples)
+        self.rollout_logps(batch, mode)
+        self.correct_sampling(batch)
+        self.score_rollout(batch, samples, mode)
+        return batch
+
+    def score_rollout(self, batch: RolloutBatch, samples: Samples, mode: str) -> None:
+        """Rewards `(N_global, F)` from every function, gathered; `batch.rewards` / `row_index` for this process's
+        rows; the advantages unless the plan defers them to the loss; the completion log."""
+        rewards_per_func = self._score(
+            samples.rows, samples.prompts, samples.completions, samples.generation, samples.environments
+        )
+        rewards = self.rewards.combine(rewards_per_func)  # (N_global,)
+        self._log_reward_metrics(rewards_per_func, rewards)
+        n, rank = len(batch), self.accelerator.process_index
         batch.rewards = rewards[rank * n : (rank + 1) * n]
         batch.row_index = torch.arange(rank * n, (rank + 1) * n, device=rewards.device)
-        if self.rewards is not None and not self.plan.defers_advantages(mode):
+        advantages = None
+        if not self.plan.defers_advantages(mode):
             advantages = self.assign_advantages(rewards, rewards_per_func, batch, mode)
         self.completion_log.add_round(
-            prompts, sampled.completions, images, rewards_per_func, names, advantages, self.args.log_multimodal
-        )
-        return batch
+            samples.prompts, samples.completions, samples.images, rewards, rewards_per_func, self.rewards.names,
+            advantages, self.args.log_multimodal,
+        )  # fmt: skip
 
     def _rollout_prompts(self, rows):
         """This process's prompts (after each environment's `reset` observation) and images."""
@@ -390,8 +419,9 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
             raise ValueError("Rows with images need conversational prompts (lists of messages), not plain strings.")
         return [prepare_multimodal_messages(p, images=i or []) for p, i in zip(prompts, images, strict=True)], images
 
-    def _rollout_logps(self, batch: RolloutBatch, mode: str) -> None:
-        """Old (when `needs_old_logps`) and reference per-token log-probs, no grad, in micro-batches."""
+    def rollout_logps(self, batch: RolloutBatch, mode: str) -> None:
+        """Old (as the plan says, where sampling did not return them) and reference per-token log-probs, no grad,
+        in micro-batches."""
         input_ids, attention_mask, extra = batch.model_inputs()
         width = batch.completion_ids.size(1)
         # Image inputs are per row: one forward over the batch keeps rows and images aligned.
@@ -406,27 +436,8 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
                 ).logps
             if self.reference_model.available:
                 batch.ref_logps = self.reference_logprobs(input_ids, attention_mask, width, batch_size=chunk, **extra)
-        if self.vllm_engine is not None and corrects_sampling(self.args):
-            self._importance_sampling(batch)
 
-    def _importance_sampling(self, batch: RolloutBatch) -> None:
-        """vLLM's correction (`online/importance_sampling.py`) into `batch.importance_sampling_ratio`, and TRL's
-        `sampling/*` metrics over every process."""
-        a, mask = self.args, batch.loss_mask
-        if batch.sampling_logps is None:  # a tool loop or rollout_func: no engine log-probs, w = 1 (TRL's NaN rule)
-            batch.sampling_logps = torch.full_like(batch.old_logps, float("nan"))
-        mode = a.vllm_importance_sampling_mode
-        batch.importance_sampling_ratio = importance_sampling_ratio(
-            batch.old_logps, batch.sampling_logps, mask, mode, a.vllm_importance_sampling_clip_min,
-            a.vllm_importance_sampling_clip_max,
-        )  # fmt: skip
-        stats = mismatch_metrics(batch.old_logps, batch.sampling_logps, mask, batch.importance_sampling_ratio, mode)
-        for name, value in stats.items():
-            values = gather(value.reshape(1))
-            reduce = torch.max if name.endswith("max") else torch.min if name.endswith("min") else torch.mean
-            self.log_metric(name, reduce(values[~torch.isnan(values)]).item() if values.numel() else 0.0)
-
-    def _score(self, rows, prompts, completions, out: GenerationOutput) -> torch.Tensor:
+    def _score(self, rows, prompts, completions, out: GenerationOutput, environments=None) -> torch.Tensor:
         """`(N_global, num_funcs)` rewards gathered from every process; failures name the step and the batch.
         Reward functions get TRL's arguments, plus `prompt_ids` (the prompt tokens of each row) unless the dataset
         has a `prompt_ids` column of its own (see `RewardFunctions`); prompts given as token ids reach them decoded."""
@@ -446,7 +457,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
                 log_metric=self.log_metric,
                 log_extra=self.completion_log.log_extra,
                 prompt_token_ids=prompt_ids,
-                **({"environments": self._env.instances} if self._env is not None else {}),
+                **({"environments": environments} if environments is not None else {}),
             )
         except (RuntimeError, ValueError, TypeError) as e:
             raise type(e)(
@@ -472,8 +483,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
 
     def log(self, logs, start_time=None):
         if self.args.log_completions and self.accelerator.is_main_process:
-            combine = self.rewards.combine if self.rewards is not None else (lambda r: r.sum(1))
-            self.completion_log.report(self.state.global_step, combine, self.args)
+            self.completion_log.report(self.state.global_step, self.args)
         super().log(logs, start_time)
 
 

@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from datasets import Dataset
 from trl import extract_prompt, is_conversational, unpair_preference_dataset
 
-from ..core.batch import TensorBatch, scalar_field
-from ..core.models import get_tokenizer
+from ..data.batch import TensorBatch, scalar_field
 from ..data.datasets import column_names, pad
 from ..data.vision import (
     EncodedPrompts,
@@ -31,6 +30,7 @@ from ..data.vision import (
     row_images,
     row_videos,
 )
+from ..models.loading import get_tokenizer
 
 
 logger = logging.getLogger(__name__)

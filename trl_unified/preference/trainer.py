@@ -13,9 +13,9 @@ from torch.utils.data import DataLoader
 
 from ..core.config import PolicyConfig
 from ..core.logprobs import TokenLogprobs, compute_shared_logprobs, compute_token_logprobs
-from ..core.models import get_tokenizer
 from ..core.trainer import PolicyTrainerBase
 from ..data.datasets import check_images_fit, column_names, dataset_columns
+from ..models.loading import get_tokenizer
 from .data import (
     PairedBatch,
     PairedCollator,

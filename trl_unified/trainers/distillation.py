@@ -24,11 +24,11 @@ import torch
 from ..core.config import document_fields, option
 from ..core.divergence import generalized_jsd_loss, reduce_divergence, token_divergence
 from ..core.lm_head import HiddenStateHead
-from ..core.models import load_model
 from ..core.reference import prepare_frozen_model
-from ..core.token_ids import embedding_rows, mask_padding
+from ..models.loading import load_model
+from ..models.token_ids import embedding_rows, mask_padding
 from ..online.config import OnlineConfig
-from ..online.rollout import RolloutBatch
+from ..online.rollout import RolloutBatch, RolloutPlan, Samples
 from ..online.trainer import OnlineTrainer
 
 
@@ -106,8 +106,6 @@ class DistillationTrainer(OnlineTrainer):
     _tag_names = ["trl", "distillation", "trl_unified"]
     config_class = DistillationConfig
     batch_class = DistillationBatch
-    old_logps = "never"
-    scores_rewards = False
     loss_is_scaled_for_ga = True
     # TRL 1.10's static loss API (GKDTrainer's too): the loss below goes through `_reduce_divergence_loss`
     generalized_jsd_loss = staticmethod(generalized_jsd_loss)
@@ -150,6 +148,22 @@ class DistillationTrainer(OnlineTrainer):
         super().setup()
         self.teacher_model = prepare_frozen_model(self._load_teacher(self._teacher_source), self.accelerator)
         del self._teacher_source
+
+    # ------------------------------------------------------------------ the rollout: no reward, no ratio
+    def rollout_plan(self) -> RolloutPlan:
+        return RolloutPlan(False, False)  # no ratio in the loss: π_old is never read
+
+    def build_rewards(self) -> None:
+        return None  # the teacher's distributions are the signal
+
+    def score_rollout(self, batch: RolloutBatch, samples: Samples, mode: str) -> None:
+        """No rewards and no advantages: the round is only logged."""
+        n, rank = len(batch), self.accelerator.process_index
+        batch.rewards = torch.zeros(n, device=batch.prompt_ids.device)
+        batch.row_index = torch.arange(rank * n, (rank + 1) * n, device=batch.prompt_ids.device)
+        self.completion_log.add_round(
+            samples.prompts, samples.completions, samples.images, None, None, [], None, self.args.log_multimodal
+        )
 
     def _load_teacher(self, teacher):
         args = self.args

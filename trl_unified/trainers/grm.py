@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from datasets import IterableDataset
 
 from ..core.config import PolicyConfig, document_fields
-from ..core.token_ids import embedding_rows, mask_padding
 from ..core.trainer import PolicyTrainerBase
 from ..data.datasets import (
     dataset_columns,
@@ -29,6 +28,7 @@ from ..data.datasets import (
 from ..data.sft import SFTBatch, SFTCollator, tokenize_sft_row
 from ..data.vision import with_row_visuals
 from ..evaluation.answers import extract_answer
+from ..models.token_ids import embedding_rows, mask_padding
 
 
 @document_fields

@@ -37,6 +37,7 @@ minus `entropy_coef` times the mean token entropy / GA (adaptive as in Skywork-O
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,7 @@ from accelerate.utils import gather
 
 from ..core.config import document_fields, option
 from ..online.config import OnlineConfig
-from ..online.importance_sampling import IMPORTANCE_SAMPLING_FIELDS, ImportanceSamplingConfig
+from ..online.importance_sampling import IMPORTANCE_SAMPLING_FIELDS, ImportanceSamplingConfig, ImportanceSamplingMixin
 from ..online.metrics import high_entropy_mask, off_policy_mask
 from ..online.rewards import nanstd
 from ..online.rollout import RolloutBatch
@@ -52,7 +53,135 @@ from ..online.trainer import OnlineTrainer
 
 
 logger = logging.getLogger(__name__)
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """What every loss type reads, for one micro-batch of B rows and C completion positions: `logps` log π_θ and
+    `old_logps` log π_old `(B, C)`, `log_ratio` log(π_θ / π_old) per token `(B, C)`, `ratio` w per token `(B, C)` or
+    per sequence `(B, 1)`, `advantages` `(B, 1)`, `mask` `(B, C)`, the clipping bounds, the config and the batch."""
+
+    logps: torch.Tensor
+    old_logps: torch.Tensor
+    log_ratio: torch.Tensor
+    ratio: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    low: float
+    high: float
+    args: "GRPOConfig"
+    inputs: RolloutBatch
+
+
+@dataclass(frozen=True)
+class LossType:
+    """One entry of `LOSSES`. `token_loss(terms) -> (l, stat)`: the per-token loss l `(B, C)` (or `(B, 1)`) and what
+    `log` reads; `normalise(trainer, masked l, terms, accumulation, mode)`: the micro-batch's loss; `log(trainer,
+    stat, terms)`: the type's metrics; `check(config)`: its config rules, run by `GRPOConfig`;
+    `folds_sampling_correction`: vLLM's importance-sampling ratio enters `token_loss` itself (else it multiplies l)."""
+
+    token_loss: Callable[[LossTerms], tuple[torch.Tensor, torch.Tensor | None]]
+    normalise: Callable
+    log: Callable | None = None
+    check: Callable | None = None
+    folds_sampling_correction: bool = False
+
+
+def _clipped(t: LossTerms):
+    """-min(w A, clip(w, 1 - eps, 1 + eps_high) A), w capped at `delta` when set (two-sided clipping)."""
+    clipped = torch.clamp(t.ratio, t.low, t.high)
+    ratio = torch.clamp(t.ratio, max=t.args.delta) if t.args.delta is not None else t.ratio
+    return -torch.min(ratio * t.advantages, clipped * t.advantages), ratio
+
+
+def _cispo(t: LossTerms):
+    """-sg(min(w, eps_high)) A log π_θ."""
+    return -torch.clamp(t.ratio, max=t.high - 1).detach() * t.advantages * t.logps, t.ratio
+
+
+def _sapo(t: LossTerms):
+    """-(4 / tau) sigmoid(tau (w - 1)) A, tau by the sign of A."""
+    tau = torch.where(t.advantages > 0, t.args.sapo_temperature_pos, t.args.sapo_temperature_neg)
+    return -torch.sigmoid(tau * (t.ratio - 1)) * 4 / tau * t.advantages, None
+
+
+def _vespo(t: LossTerms):
+    """-sg(phi(W)) A log π_θ (`_vespo_weights`)."""
+    phi = _vespo_weights(t.advantages, t.log_ratio, t.mask, t.args, t.inputs.importance_sampling_ratio)
+    return -phi * t.advantages * t.logps, phi
+
+
+def _per_sequence(trainer, masked, t, accumulation, mode):  # 1/B sum_i (1/M_i sum_t l_it) / GA
+    return (masked.sum(-1) / t.mask.sum(-1).clamp(min=1.0)).mean() / accumulation
+
+
+def _per_micro_batch_token(trainer, masked, t, accumulation, mode):  # sum_it l / sum_i M_i / GA
+    return masked.sum() / t.mask.sum().clamp(min=1.0) / accumulation
+
+
+def _per_max_length(trainer, masked, t, accumulation, mode):  # sum_it l / (B * max_completion_length) / GA
+    return masked.sum() / (masked.size(0) * t.args.max_completion_length) / accumulation
+
+
+def _sequence_sums(trainer, masked, t, accumulation, mode):  # 1/B sum_it l / GA
+    return masked.sum(-1).mean() / accumulation
+
+
+def _per_generation_token(trainer, masked, t, accumulation, mode):  # sum_it l / (N / processes * GA / S)
+    normaliser = max(t.inputs.num_loss_tokens, 1.0) / trainer.accelerator.num_processes
+    if mode == "train":  # N spans the generation batch: rescale it to one accumulation window
+        normaliser = normaliser * accumulation / t.args.steps_per_generation
+    return masked.sum() / normaliser
+
+
+def _log_clip_ratios(trainer, ratio, t):
+    trainer.log_clip_ratios(ratio, t.advantages, t.mask, t.low, t.high)
+
+
+def _log_cispo(trainer, ratio, t):
+    clipped = ((ratio > t.high - 1) & (t.advantages > 0)).float()
+    trainer.log_metric("cispo_clip_ratio", trainer.masked_global_mean(clipped, t.mask))
+
+
+def _log_vespo(trainer, phi, t):
+    trainer.log_metric("vespo/phi_seq_mean", trainer.masked_global_mean(phi, t.mask))
+
+
+def _warn_token_sum_at_sequence_level(config):
+    if config.importance_sampling_level == "sequence":
+        logger.warning(
+            f"When using `importance_sampling_level='sequence'`, the `'{config.loss_type}'` loss sums per-token "
+            "contributions, which effectively weights each sequence by its completion length instead of "
+            "optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set `loss_type='grpo'`."
+        )
+
+
+def _check_luspo(config):
+    if config.importance_sampling_level != "sequence":
+        logger.warning("When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'`.")
+
+
+def _check_vespo(config):
+    token_level = config.vllm_importance_sampling_mode in ("token_truncate", "token_mask")
+    if config.use_vllm and config.vllm_importance_sampling_correction and not token_level:
+        raise ValueError(
+            "VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. "
+            f"Got: {config.vllm_importance_sampling_mode}."
+        )
+
+
+# The loss types of the module docstring, one entry each: per-token loss, normaliser, metrics, config rules.
+LOSSES = {
+    "grpo": LossType(_clipped, _per_sequence, _log_clip_ratios),
+    "dr_grpo": LossType(_clipped, _per_max_length, _log_clip_ratios, _warn_token_sum_at_sequence_level),
+    "dapo": LossType(_clipped, _per_generation_token, _log_clip_ratios, _warn_token_sum_at_sequence_level),
+    "bnpo": LossType(_clipped, _per_micro_batch_token, _log_clip_ratios, _warn_token_sum_at_sequence_level),
+    "cispo": LossType(_cispo, _per_generation_token, _log_cispo, _warn_token_sum_at_sequence_level),
+    "sapo": LossType(_sapo, _per_sequence),
+    "luspo": LossType(_clipped, _sequence_sums, _log_clip_ratios, _check_luspo),
+    "vespo": LossType(_vespo, _per_generation_token, _log_vespo, _check_vespo, folds_sampling_correction=True),
+}
+LOSS_TYPES = tuple(LOSSES)
 
 
 @document_fields
@@ -102,19 +231,13 @@ class GRPOConfig(ImportanceSamplingConfig, OnlineConfig):
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}.")
-        if (
-            self.loss_type == "vespo" and self.use_vllm and self.vllm_importance_sampling_correction
-            and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
-        ):  # fmt: skip
-            raise ValueError(
-                "VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. "
-                f"Got: {self.vllm_importance_sampling_mode}."
-            )
+        if LOSSES[self.loss_type].check is not None:
+            LOSSES[self.loss_type].check(self)
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1].")
 
 
-class GRPOTrainer(OnlineTrainer):
+class GRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
     """GRPO and its loss variants (see the module docstring). Same constructor as `trl.GRPOTrainer`."""
 
     _name = "GRPO"
@@ -124,20 +247,12 @@ class GRPOTrainer(OnlineTrainer):
     def setup(self) -> None:
         super().setup()
         a = self.args
-        if a.loss_type == "luspo" and a.importance_sampling_level != "sequence":
-            logger.warning("When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'`.")
-        if a.importance_sampling_level == "sequence" and a.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-            logger.warning(
-                f"When using `importance_sampling_level='sequence'`, the `'{a.loss_type}'` loss sums per-token "
-                "contributions, which effectively weights each sequence by its completion length instead of "
-                "optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set `loss_type='grpo'`."
-            )
         # Whether the entropy bonus is on (TRL's attribute): entropies then keep their gradient.
         self._entropy_bonus_enabled = a.entropy_coef != 0.0 or a.use_adaptive_entropy
         self.entropy_coef, self._last_world_entropy, self._entropy_window = a.entropy_coef, math.inf, None
 
     def compute_advantages(self, rewards, rewards_per_func, batch: RolloutBatch, mode: str) -> torch.Tensor:
-        g = self.num_generations if mode == "train" else self.num_generations_eval
+        g = self.group_size(mode)
         if self.args.multi_objective_aggregation == "normalize_then_sum":
             grouped = rewards_per_func.view(-1, g, rewards_per_func.size(1))  # (P, G, F)
             std = nanstd(grouped, dim=1).unsqueeze(1) if g > 1 else torch.zeros_like(grouped[:, :1])
@@ -157,80 +272,54 @@ class GRPOTrainer(OnlineTrainer):
             advantages = rewards - mean
             if self.args.scale_rewards != "none":
                 advantages = advantages / (std + 1e-4)
-        self.log_metric("frac_reward_zero_std", torch.isclose(std, torch.zeros_like(std)).float().mean().item())
+        self.log_zero_std_fraction(std)
         return torch.nan_to_num(advantages, nan=0.0)
 
     def compute_policy_loss(self, model, inputs: RolloutBatch, num_items_in_batch=None):
-        a, mode, mask = self.args, "train" if self.model.training else "eval", inputs.loss_mask
+        a, mode, mask, loss_type = self.args, self.mode, inputs.loss_mask, LOSSES[self.args.loss_type]
         out = self.policy_logprobs(model, inputs)
-        logps, entropies = out.logps, out.entropy
-        entropy_mask = None
-        if a.top_entropy_quantile < 1.0:
-            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - a.top_entropy_quantile)
-        advantages = inputs.advantages.unsqueeze(1)  # (B, 1)
-        old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
-        log_ratio = logps - old
-        if a.importance_sampling_level == "sequence":
-            log_ratio_used = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (B, 1)
-        else:
-            log_ratio_used = log_ratio  # (B, C)
-        ratio = torch.exp(log_ratio_used)
-        low, high = a.clip_range()
-        if a.loss_type == "cispo":
-            per_token_loss = -torch.clamp(ratio, max=high - 1).detach() * advantages * logps
-        elif a.loss_type == "sapo":
-            tau = torch.where(advantages > 0, a.sapo_temperature_pos, a.sapo_temperature_neg)
-            per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
-        elif a.loss_type == "vespo":
-            phi = _vespo_weights(advantages, log_ratio, mask, a, inputs.importance_sampling_ratio)
-            per_token_loss = -phi * advantages * logps
-        else:
-            clipped = torch.clamp(ratio, low, high)
-            ratio = torch.clamp(ratio, max=a.delta) if a.delta is not None else ratio  # two-sided: cap w itself
-            per_token_loss = -torch.min(ratio * advantages, clipped * advantages)
+        t = self._loss_terms(out.logps, inputs)
+        per_token_loss, stat = loss_type.token_loss(t)
         if a.off_policy_mask_threshold is not None:  # with vLLM, against its sampling log-probs (TRL)
-            behaviour = inputs.sampling_logps if inputs.sampling_logps is not None else old
-            per_token_loss = per_token_loss * self.get_off_policy_mask(
-                advantages, logps, behaviour, mask, a.off_policy_mask_threshold
+            behaviour = inputs.sampling_logps if inputs.sampling_logps is not None else t.old_logps
+            off_policy = self.get_off_policy_mask(
+                t.advantages, out.logps, behaviour, mask, a.off_policy_mask_threshold
             )
-        if entropy_mask is not None:
-            per_token_loss = per_token_loss * entropy_mask
-        if inputs.importance_sampling_ratio is not None and a.loss_type != "vespo":  # vLLM's correction
-            per_token_loss = per_token_loss * inputs.importance_sampling_ratio
+            per_token_loss = per_token_loss * off_policy
+        entropy_mask = mask  # the tokens the entropy bonus averages over
+        if a.top_entropy_quantile < 1.0:
+            high = self.get_high_entropy_mask(out.entropy, mask, 1 - a.top_entropy_quantile)
+            per_token_loss, entropy_mask = per_token_loss * high, mask * high
+        if inputs.importance_sampling_ratio is not None and not loss_type.folds_sampling_correction:
+            per_token_loss = per_token_loss * inputs.importance_sampling_ratio  # vLLM's correction
         if a.beta != 0.0:
-            diff = inputs.ref_logps - logps
+            diff = inputs.ref_logps - out.logps
             per_token_kl = torch.exp(diff) - diff - 1  # k3 estimator of KL(π_θ ‖ π_ref)
-            if a.use_bias_correction_kl:
-                per_token_kl = per_token_kl * torch.exp(log_ratio_used)  # the uncapped ratio
+            per_token_kl = per_token_kl * t.ratio if a.use_bias_correction_kl else per_token_kl  # the uncapped w
             per_token_loss = per_token_loss + a.beta * per_token_kl
+            self.log_metric("kl", self.masked_global_mean(per_token_kl, mask))
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        loss = self._normalise(per_token_loss * mask, mask, inputs, accumulation, mode)
-        if a.entropy_coef != 0.0 or a.use_adaptive_entropy:
-            loss = self._entropy_bonus(
-                loss, entropies, mask if entropy_mask is None else mask * entropy_mask, accumulation, mode
-            )
+        loss = loss_type.normalise(self, per_token_loss * mask, t, accumulation, mode)
+        if self._entropy_bonus_enabled:
+            loss = self._entropy_bonus(loss, out.entropy, entropy_mask, accumulation, mode)
         loss = self.add_aux_loss(loss, out.aux_loss, scale=1.0 / accumulation)
-        kl = per_token_kl if a.beta != 0.0 else None
-        self._log_loss_metrics(
-            ratio, advantages, entropies, mask, kl, low, high, phi if a.loss_type == "vespo" else None
-        )
+        self.log_metric("entropy", self.masked_global_mean(out.entropy, mask))
+        if loss_type.log is not None:
+            loss_type.log(self, stat, t)
         return loss
 
-    def _normalise(self, masked_loss, mask, inputs, accumulation, mode):
-        """The loss-type normalisation of the module docstring, scaled for gradient accumulation."""
-        loss_type = self.args.loss_type
-        if loss_type in ("grpo", "sapo"):
-            return (masked_loss.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accumulation
-        if loss_type == "bnpo":
-            return masked_loss.sum() / mask.sum().clamp(min=1.0) / accumulation
-        if loss_type == "dr_grpo":
-            return masked_loss.sum() / (masked_loss.size(0) * self.args.max_completion_length) / accumulation
-        if loss_type == "luspo":
-            return masked_loss.sum(-1).mean() / accumulation
-        normaliser = max(inputs.num_loss_tokens, 1.0) / self.accelerator.num_processes  # dapo, cispo, vespo
-        if mode == "train":  # N spans the generation batch: rescale it to one accumulation window
-            normaliser = normaliser * accumulation / self.args.steps_per_generation
-        return masked_loss.sum() / normaliser
+    def _loss_terms(self, logps, inputs: RolloutBatch) -> LossTerms:
+        """The ratio w = π_θ / π_old per token, or per sequence exp(mean_t log w_t) (GSPO), and the other terms."""
+        mask = inputs.loss_mask
+        old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
+        log_ratio = logps - old
+        if self.args.importance_sampling_level == "sequence":
+            used = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (B, 1)
+        else:
+            used = log_ratio  # (B, C)
+        low, high = self.args.clip_range()
+        advantages = inputs.advantages.unsqueeze(1)  # (B, 1)
+        return LossTerms(logps, old, log_ratio, torch.exp(used), advantages, mask, low, high, self.args, inputs)
 
     def _entropy_bonus(self, loss, entropies, mask, accumulation, mode):
         """loss - coef * mean token entropy / GA; the adaptive coef moves by entropy_coef_delta per optimiser step."""
@@ -252,18 +341,6 @@ class GRPOTrainer(OnlineTrainer):
         if mode == "train" and self.accelerator.sync_gradients:
             self.log_metric("entropy_coef", self.entropy_coef)
         return loss
-
-    def _log_loss_metrics(self, ratio, advantages, entropies, mask, per_token_kl, low, high, phi):
-        if per_token_kl is not None:
-            self.log_metric("kl", self.masked_global_mean(per_token_kl, mask))
-        self.log_metric("entropy", self.masked_global_mean(entropies, mask))
-        if self.args.loss_type == "cispo":
-            clipped = ((ratio > high - 1) & (advantages > 0)).float()
-            self.log_metric("cispo_clip_ratio", self.masked_global_mean(clipped, mask))
-        elif self.args.loss_type == "vespo":
-            self.log_metric("vespo/phi_seq_mean", self.masked_global_mean(phi, mask))
-        elif self.args.loss_type != "sapo":
-            self.log_clip_ratios(ratio, advantages, mask, low, high)
 
     # ------------------------------------------------------------------ TRL's loss helpers (public on its trainer)
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:

@@ -18,8 +18,8 @@ from typing import Literal
 import torch
 
 from ..core.config import document_fields, option
-from ..core.models import get_tokenizer
 from ..generation.transformers_generate import batch_generation
+from ..models.loading import get_tokenizer
 from ..online.completion_log import sample_generations
 from ..online.config import OnlineConfig
 from ..online.critic import (
@@ -34,7 +34,7 @@ from ..online.critic import (
     value_mask,
 )
 from ..online.rewards import TokenIdsRewardModel
-from ..online.rollout import RolloutBatch
+from ..online.rollout import RolloutBatch, RolloutPlan
 from ..online.trainer import OnlineTrainer
 
 
@@ -148,7 +148,6 @@ class PPOTrainer(CriticMixin, OnlineTrainer):
     _name = "PPO"
     config_class = PPOConfig
     loss_is_scaled_for_ga = False  # per-micro-batch token means: the Trainer divides by the micro-batches
-    old_logps = "always"  # the rollout's log-probs anchor the ratio and the KL penalty
     old_logps_from_sampling = True  # TRL's PPO reads them from generation's logits: no extra policy forward
     reshuffle_each_iteration = True  # each PPO epoch draws new mini-batches
     positions_from_mask = True  # position ids skip left padding in every forward, as in generation (TRL's PPO)
@@ -219,6 +218,9 @@ class PPOTrainer(CriticMixin, OnlineTrainer):
         samples, rollouts = args.num_sample_generations, args.num_total_batches or args.max_steps
         self._sample_every, self._start_time = max(1, rollouts // samples) if samples > 0 else 0, time.time()
 
+    def rollout_plan(self) -> RolloutPlan:
+        return RolloutPlan(True, True)  # π_old anchors the ratio and the KL penalty, in both modes
+
     def optimizer_steps_per_rollout(self) -> int:
         return self.args.num_ppo_epochs * self.args.num_mini_batches  # the learning rate moves once per rollout
 
@@ -284,7 +286,7 @@ class PPOTrainer(CriticMixin, OnlineTrainer):
         return sample_generations(self, sampling)
 
     def log(self, logs, start_time=None):
-        ratios = self._metrics["train" if self.model.training else "eval"].get("val/ratio", [])
+        ratios = self._metrics[self.mode].get("val/ratio", [])
         logs.update({"val/ratio_var": float(torch.tensor(ratios).var()) if len(ratios) > 1 else 0.0} if ratios else {})
         logs.update({"lr": logs["learning_rate"]} if "learning_rate" in logs else {})  # TRL's PPO name
         super().log(logs, start_time)

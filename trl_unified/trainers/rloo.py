@@ -28,7 +28,7 @@ from accelerate.utils import gather
 from ..core.config import document_fields
 from ..online.config import OnlineConfig
 from ..online.rewards import nanstd
-from ..online.rollout import RolloutBatch
+from ..online.rollout import RolloutBatch, RolloutPlan
 from ..online.trainer import OnlineTrainer
 
 
@@ -76,10 +76,17 @@ class RLOOTrainer(OnlineTrainer):
     _name = "RLOO"
     config_class = RLOOConfig
     loss_is_scaled_for_ga = False  # per-micro-batch mean: the Trainer divides by gradient accumulation
-    # TRL's RLOO always runs a no-grad forward for π_old. When the policy cannot change between generation and the
-    # loss (one pass, one optimiser step per round), π_old is the loss forward's, detached: that forward is skipped
-    # and the KL shaping of the reward, which needs π_old, waits for the loss (`RolloutPlan`, "unless_unchanged").
-    old_logps = "unless_unchanged"
+
+    def rollout_plan(self) -> RolloutPlan:
+        """TRL's RLOO always runs a no-grad forward for π_old. When the policy cannot change between generation and
+        every use of the batch (one pass, one optimiser step per generation round, and with a reference the whole
+        round in one micro-batch), π_old equals the loss forward's log-probs, detached: that forward is skipped, and
+        the KL shaping of the reward, which needs π_old, waits for the loss (`defer_advantages`). Evaluation always
+        computes it."""
+        a = self.args
+        aligned = a.num_iterations == 1 and a.steps_per_generation == a.gradient_accumulation_steps
+        unchanged = aligned and (a.beta == 0.0 or a.steps_per_generation == 1)
+        return RolloutPlan(not unchanged, True, defer_advantages=unchanged and self.reference_model.available)
 
     def compute_advantages(self, rewards, rewards_per_func, batch: RolloutBatch, mode: str) -> torch.Tensor:
         kl = None
@@ -102,17 +109,15 @@ class RLOOTrainer(OnlineTrainer):
             rewards = rewards.clamp(*args.reward_clip_range)
         if kl is not None:
             rewards = rewards - args.beta * kl
-        g = self.num_generations if mode == "train" else self.num_generations_eval
-        group_std = nanstd(rewards.view(-1, g), dim=1)
-        zero_std = torch.isclose(group_std, torch.zeros_like(group_std)).float().mean()
-        self.log_metric("frac_reward_zero_std", zero_std.item())
+        g = self.group_size(mode)
+        self.log_zero_std_fraction(nanstd(rewards.view(-1, g), dim=1))
         advantages = rloo_advantages(rewards, g) if g > 1 else torch.zeros_like(rewards)
         if args.normalize_advantages:
             advantages = (advantages - torch.nanmean(advantages)) / (nanstd(advantages) + 1e-4)
         return torch.nan_to_num(advantages, nan=0.0)
 
     def compute_policy_loss(self, model, inputs: RolloutBatch, num_items_in_batch=None):
-        mask, mode = inputs.loss_mask, "train" if self.model.training else "eval"
+        mask, mode = inputs.loss_mask, self.mode
         out = self.policy_logprobs(model, inputs)
         logps = (out.logps * mask).sum(1)  # (B,); padding and post-EOS tokens masked
         old_logps = (inputs.old_logps * mask).sum(1) if inputs.old_logps is not None else logps.detach()
