@@ -527,7 +527,7 @@ CASES = [
         "dpo_bad_truncation_mode",
         lambda c: dpo_config(c, truncation_mode="middle"),
         ValueError,
-        r"truncation_mode='middle' must be",
+        r"truncation_mode='middle' is not one of",
     ),
     (
         "dpo_sync_with_precompute",

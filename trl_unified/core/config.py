@@ -37,6 +37,21 @@ def option(default=None, help: str = "", default_factory=None):
     return field(default=default, metadata={"help": help})
 
 
+@dataclass
+class TruncationConfig:
+    """`truncation_mode`, TRL's field of the configs whose rows are cut to `max_length` (DPO, GRM): mixed in before
+    the config's base, checked once by `check_truncation_mode`."""
+
+    truncation_mode: str = option(
+        "keep_start", "Which end of a row longer than max_length is kept: 'keep_start' drops its end, 'keep_end' its "
+        "beginning (the prompt's start)."
+    )  # fmt: skip
+
+    def check_truncation_mode(self) -> None:
+        if self.truncation_mode not in ("keep_start", "keep_end"):
+            raise ValueError(f"truncation_mode={self.truncation_mode!r} is not one of ['keep_end', 'keep_start'].")
+
+
 def _has_accelerator() -> bool:
     import torch
 
@@ -67,187 +82,125 @@ class PolicyConfig(TrainingArguments):
     _unimplemented_fields: ClassVar[dict[str, str]] = {}
 
     # TRL's defaults for TrainingArguments fields (same as trl's _BaseConfig).
-    logging_steps: float = field(
-        default=10,
-        metadata={
-            "help": "Log every X update steps. An integer, or a float in [0, 1) read as a ratio of total steps."
-        },
+    logging_steps: float = option(
+        10, "Log every X update steps. An integer, or a float in [0, 1) read as a ratio of total steps."
     )
-    gradient_checkpointing: bool = field(
-        default=True,
-        metadata={"help": "Enable gradient checkpointing: less activation memory for ~20%% more compute."},
+    gradient_checkpointing: bool = option(
+        True, "Enable gradient checkpointing: less activation memory for ~20%% more compute."
     )
-    bf16: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Use bf16 mixed precision. If not set: `True` unless `fp16` is set (as in TRL), except on a "
-            "machine with no accelerator and use_cpu=False, where TRL's default would fail and `False` is used."
-        },
+    bf16: bool | None = option(
+        None,
+        "Use bf16 mixed precision. If not set: `True` unless `fp16` is set (as in TRL), except on a machine with no "
+        "accelerator and use_cpu=False, where TRL's default would fail and `False` is used.",
     )
-    lr_scheduler_kwargs: dict | str | None = field(
-        default=None,
-        metadata={"help": "Extra keyword arguments for the learning-rate scheduler, e.g. {'num_cycles': 1}."},
+    lr_scheduler_kwargs: dict | str | None = option(
+        None, "Extra keyword arguments for the learning-rate scheduler, e.g. {'num_cycles': 1}."
     )
-    use_liger_kernel: bool = field(
-        default=False,
-        metadata={"help": "Patch the model's layers with Liger kernels (deprecated in TRL)."},
-    )
-    torch_empty_cache_steps: int | None = field(
-        default=None,
-        metadata={"help": "Steps between `torch.<device>.empty_cache()` calls. If None, the cache is never emptied."},
+    use_liger_kernel: bool = option(False, "Patch the model's layers with Liger kernels (deprecated in TRL).")
+    torch_empty_cache_steps: int | None = option(
+        None, "Steps between `torch.<device>.empty_cache()` calls. If None, the cache is never emptied."
     )
 
     # Model loading
-    model_init_kwargs: dict[str, Any] | str | None = field(
-        default=None,
-        metadata={
-            "help": "Keyword arguments for `from_pretrained` when `model` is a string (e.g. dtype, "
-            "attn_implementation, revision). A JSON string is accepted on the command line."
-        },
+    model_init_kwargs: dict[str, Any] | str | None = option(
+        None,
+        "Keyword arguments for `from_pretrained` when `model` is a string (e.g. dtype, attn_implementation, "
+        "revision). A JSON string is accepted on the command line.",
     )
-    trust_remote_code: bool = field(
-        default=False,
-        metadata={"help": "Allow custom model code from the Hub when loading models and processors by id."},
+    trust_remote_code: bool = option(
+        False, "Allow custom model code from the Hub when loading models and processors by id."
     )
-    disable_dropout: bool = field(
-        default=False,
-        metadata={"help": "Set every dropout probability of the policy and reference models to 0."},
+    disable_dropout: bool = option(False, "Set every dropout probability of the policy and reference models to 0.")
+    router_aux_loss_coef: float | None = option(
+        None, "Weight of the MoE load-balancing loss; None uses the model config's value, 0.0 disables it."
     )
-    router_aux_loss_coef: float | None = field(
-        default=None,
-        metadata={
-            "help": "Weight of the MoE load-balancing loss; None uses the model config's value, 0.0 disables it."
-        },
-    )
-    pad_to_multiple_of: int | str | None = field(
-        default="auto",
-        metadata={"help": "Pad batches to a multiple of this length. 'auto': 128 on Neuron devices, else no padding."},
+    pad_to_multiple_of: int | str | None = option(
+        "auto", "Pad batches to a multiple of this length. 'auto': 128 on Neuron devices, else no padding."
     )
 
     # Reference model (trainers that use one)
-    sync_ref_model: bool = field(
-        default=False, metadata={"help": "Every ref_model_sync_steps, set π_ref = α π_θ + (1 - α) π_ref (TR-DPO)."}
-    )
-    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "α of the reference-model sync (TR-DPO)."})
-    ref_model_sync_steps: int = field(
-        default=512, metadata={"help": "τ, steps between reference-model syncs (TR-DPO)."}
-    )
+    sync_ref_model: bool = option(False, "Every ref_model_sync_steps, set π_ref = α π_θ + (1 - α) π_ref (TR-DPO).")
+    ref_model_mixup_alpha: float = option(0.6, "α of the reference-model sync (TR-DPO).")
+    ref_model_sync_steps: int = option(512, "τ, steps between reference-model syncs (TR-DPO).")
 
     # Generation (training and generative evaluation)
-    max_completion_length: int | None = field(
-        default=256,
-        metadata={"help": "Maximum number of tokens generated per completion."},
+    max_completion_length: int | None = option(256, "Maximum number of tokens generated per completion.")
+    temperature: float = option(1.0, "Sampling temperature; log-probs are computed from logits divided by it too.")
+    top_p: float = option(1.0, "Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p.")
+    top_k: int = option(0, "Keep only the top_k most likely tokens when sampling. 0 disables top-k filtering.")
+    min_p: float | None = option(
+        None, "Minimum token probability, relative to the most likely token's. None disables it."
     )
-    temperature: float = field(
-        default=1.0,
-        metadata={"help": "Sampling temperature; log-probs are computed from logits divided by it too."},
+    repetition_penalty: float = option(
+        1.0, "Penalty on tokens already in the prompt or completion. 1.0 means no penalty."
     )
-    top_p: float = field(
-        default=1.0,
-        metadata={"help": "Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p."},
+    cache_implementation: str | None = option(
+        None, "KV-cache implementation passed to `GenerationConfig` when generating."
     )
-    top_k: int = field(
-        default=0,
-        metadata={"help": "Keep only the top_k most likely tokens when sampling. 0 disables top-k filtering."},
+    generation_kwargs: dict | str | None = option(
+        None, "Extra `GenerationConfig` keyword arguments; they override the fields above."
     )
-    min_p: float | None = field(
-        default=None,
-        metadata={"help": "Minimum token probability, relative to the most likely token's. None disables it."},
-    )
-    repetition_penalty: float = field(
-        default=1.0,
-        metadata={"help": "Penalty on tokens already in the prompt or completion. 1.0 means no penalty."},
-    )
-    cache_implementation: str | None = field(
-        default=None,
-        metadata={"help": "KV-cache implementation passed to `GenerationConfig` when generating."},
-    )
-    generation_kwargs: dict | str | None = field(
-        default=None,
-        metadata={"help": "Extra `GenerationConfig` keyword arguments; they override the fields above."},
-    )
-    chat_template_kwargs: dict | str | None = field(
-        default=None,
-        metadata={"help": "Extra keyword arguments for `apply_chat_template` (e.g. enable_thinking)."},
+    chat_template_kwargs: dict | str | None = option(
+        None, "Extra keyword arguments for `apply_chat_template` (e.g. enable_thinking)."
     )
 
     # Generative evaluation accuracy
-    generative_eval: bool = field(
-        default=True,
-        metadata={
-            "help": "During `evaluate`, generate for eval rows that carry a reference answer, extract the predicted "
-            "answer and log `eval_accuracy`. Rows without the answer field are skipped."
-        },
+    generative_eval: bool = option(
+        True,
+        "During `evaluate`, generate for eval rows that carry a reference answer, extract the predicted answer and "
+        "log `eval_accuracy`. Rows without the answer field are skipped.",
     )
-    eval_answer_field: str = field(
-        default="answer",
-        metadata={"help": "Name of the eval-dataset column holding the reference answer for generative accuracy."},
+    eval_answer_field: str = option(
+        "answer", "Name of the eval-dataset column holding the reference answer for generative accuracy."
     )
-    answer_extractor: str = field(
-        default="tags",
-        metadata={
-            "help": "How an answer is read from a generation: 'tags' (<answer>...</answer>), 'boxed' (\\boxed{...}), "
-            "'auto' (tags, then boxed) or 'regex:<pattern>' (first capture group)."
-        },
+    answer_extractor: str = option(
+        "tags",
+        "How an answer is read from a generation: 'tags' (<answer>...</answer>), 'boxed' (\\boxed{...}), 'auto' "
+        "(tags, then boxed) or 'regex:<pattern>' (first capture group).",
     )
-    eval_max_new_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": "Tokens generated per eval prompt for generative accuracy. None uses max_completion_length."
-        },
+    eval_max_new_tokens: int | None = option(
+        None, "Tokens generated per eval prompt for generative accuracy. None uses max_completion_length."
     )
-    eval_do_sample: bool = field(
-        default=False,
-        metadata={"help": "Sample during generative evaluation (with the sampling fields above) instead of greedy."},
+    eval_do_sample: bool = option(
+        False, "Sample during generative evaluation (with the sampling fields above) instead of greedy."
     )
 
-    shared_prefix: bool | None = field(
-        default=None,
-        metadata={
-            "help": "trl_unified only. Encode a prompt once for all the rows that repeat it (Prefix Grouper, "
-            "arXiv:2506.05433): the G completions of an online group (generation, reference / old-log-prob forwards, "
-            "the policy forward with grad), the chosen and rejected completions of a preference pair. The same "
-            "numbers with less compute. None (auto): wherever the model and inputs allow it (decoder-only, no image "
-            "inputs, no gradient checkpointing in the grad pass; an info log line names any fallback); True: the "
-            "same, but an unsupported model raises at construction; False: off."
-        },
+    shared_prefix: bool | None = option(
+        None,
+        "trl_unified only. Encode a prompt once for all the rows that repeat it (Prefix Grouper, arXiv:2506.05433): "
+        "the G completions of an online group (generation, reference / old-log-prob forwards, the policy forward with "
+        "grad), the chosen and rejected completions of a preference pair. The same numbers with less compute. None "
+        "(auto): wherever the model and inputs allow it (decoder-only, no image inputs, no gradient checkpointing in "
+        "the grad pass; an info log line names any fallback); True: the same, but an unsupported model raises at "
+        "construction; False: off.",
     )
 
-    chunked_lm_head: bool = field(
-        default=True,
-        metadata={
-            "help": "trl_unified only. Per-token log-probs (and entropies) from the final hidden states through the "
-            "LM head in chunks of positions, each chunk's logits recomputed in the backward (core/lm_head.py): no "
-            "(batch, positions, vocabulary) tensor in the forward or the backward, in every policy, reference, "
-            "old-log-prob and preference pass. The same numbers to float rounding. Falls back to the model's logits "
-            "(one log line) where the head is sharded outside the forward (ZeRO-3, FSDP) or does not reproduce them. "
-            "False: always the model's logits."
-        },
+    chunked_lm_head: bool = option(
+        True,
+        "trl_unified only. Per-token log-probs (and entropies) from the final hidden states through the LM head in "
+        "chunks of positions, each chunk's logits recomputed in the backward (core/lm_head.py): no (batch, positions, "
+        "vocabulary) tensor in the forward or the backward, in every policy, reference, old-log-prob and preference "
+        "pass. The same numbers to float rounding. Falls back to the model's logits (one log line) where the head is "
+        "sharded outside the forward (ZeRO-3, FSDP) or does not reproduce them. False: always the model's logits.",
     )
 
-    padding_free: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Run the policy, reference and old-log-prob passes (DPO/KTO: the preference passes) on the rows "
-            "packed into one sequence without padding, positions restarting at each row (core/packing.py); the "
-            "same numbers. Attention runs per sequence (FlashAttention's variable-length kernels; on sdpa "
-            "core/packing.segmented_sdpa). None (auto): in the passes that do not share prompts (shared_prefix), "
-            "where at least 10% of the rows' slots are padding and the model allows it; True: every such pass, "
-            "instead of prompt sharing; False: padded rows. TRL: a DPO field, default False (disabled in TRL "
-            "1.16; DPOConfig keeps that default); trl_unified: every trainer that scores completions, auto by default "
-            "elsewhere (the numbers do not change)."
-        },
+    padding_free: bool | None = option(
+        None,
+        "Run the policy, reference and old-log-prob passes (DPO/KTO: the preference passes) on the rows packed into "
+        "one sequence without padding, positions restarting at each row (core/packing.py); the same numbers. "
+        "Attention runs per sequence (FlashAttention's variable-length kernels; on sdpa core/packing.segmented_sdpa). "
+        "None (auto): in the passes that do not share prompts (shared_prefix), where at least 10% of the rows' slots "
+        "are padding and the model allows it; True: every such pass, instead of prompt sharing; False: padded rows. "
+        "TRL: a DPO field, default False (disabled in TRL 1.16; DPOConfig keeps that default); trl_unified: every "
+        "trainer that scores completions, auto by default elsewhere (the numbers do not change).",
     )
 
-    lean_decoding: bool = field(
-        default=True,
-        metadata={
-            "help": "trl_unified only. Decode with trl_unified's lean loop (generation/lean.py: the same tokens as "
-            "model.generate, without its per-token bookkeeping) wherever the model and generation options allow it, "
-            "and on CPU multiply by float32 linear weights packed once per generation call "
-            "(generation/packed_weights.py). "
-            "Other cases use model.generate (the reason logged once). False: always model.generate."
-        },
+    lean_decoding: bool = option(
+        True,
+        "trl_unified only. Decode with trl_unified's lean loop (generation/lean.py: the same tokens as "
+        "model.generate, without its per-token bookkeeping) wherever the model and generation options allow it, and "
+        "on CPU multiply by float32 linear weights packed once per generation call (generation/packed_weights.py). "
+        "Other cases use model.generate (the reason logged once). False: always model.generate.",
     )
 
     def __post_init__(self):

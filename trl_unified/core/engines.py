@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 def fsdp_requested(args) -> bool:
     """Whether the launch or the config asks for FSDP (`ACCELERATE_USE_FSDP`, `TrainingArguments.fsdp`)."""
     from_env = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
-    return from_env or bool(getattr(args, "fsdp", None))
+    return from_env or bool(args.fsdp)
 
 
 def engine_notice(accelerator, args) -> str | None:

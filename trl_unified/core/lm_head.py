@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..generation.fallbacks import report_fallback
+from ..models.loading import base_model
 
 
 logger = logging.getLogger(__name__)
@@ -73,9 +74,7 @@ def _bare(model) -> nn.Module:
     """`model` without DDP / DeepSpeed / PEFT wrappers (the `PreTrainedModel` whose forward ends in the head)."""
     while isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
-    return model
+    return base_model(model)
 
 
 def _sharded(weight) -> bool:

@@ -1,5 +1,6 @@
 """`PolicyTrainerBase`: the plumbing every policy trainer shares, written once on top of `transformers.Trainer`."""
 
+import inspect
 import logging
 import math
 import os
@@ -26,6 +27,7 @@ from ..hub.model_card import write_model_card
 from ..hub.papers import PAPERS
 from ..models.loading import (
     apply_peft,
+    base_model,
     check_liger_kernel,
     default_output_dir,
     disable_dropout,
@@ -45,10 +47,9 @@ from .shutdown import install_distributed_shutdown, release_ddp_wrapper
 
 logger = logging.getLogger(__name__)
 
-# compute_token_logprobs options that are not model inputs
-_LOGPROB_OPTIONS = {
-    "compute_entropy", "entropy_requires_grad", "batch_size", "output_router_logits", "from_hidden_states",
-    "padding_free", "score_padding",
+# compute_token_logprobs' options, read off its signature: every other keyword is a model input (position ids too)
+_LOGPROB_OPTIONS = set(inspect.signature(compute_token_logprobs).parameters) - {
+    "model", "input_ids", "attention_mask", "logits_to_keep", "position_ids", "forward_kwargs"
 }  # fmt: skip
 
 
@@ -252,7 +253,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
     @staticmethod
     def _sync_special_tokens(model, processing_class):
         tokenizer = get_tokenizer(processing_class)
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = base_model(model)
         if tokenizer.pad_token_id is not None and not in_table(tokenizer.pad_token_id, embedding_rows(base)):
             return  # a pad added without resizing (TRL's PPO recipe): masked in every forward, kept out of the configs
         base.config.get_text_config().pad_token_id = tokenizer.pad_token_id
@@ -262,16 +263,10 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
     # ------------------------------------------------------------------ generation and log-probs
     def generation_config(self, do_sample: bool = True, max_new_tokens: int | None = None):
         """`GenerationConfig` from the trainer's config (sampling for training, greedy for evaluation by default)."""
-        config = build_generation_config(
-            self.args, self.processing_class, self.eos_token_ids, do_sample, max_new_tokens
+        model = self.accelerator.unwrap_model(self.model)
+        return build_generation_config(
+            self.args, self.processing_class, self.eos_token_ids, do_sample, max_new_tokens, model.config
         )
-        model_config = self.accelerator.unwrap_model(self.model).config
-        placeholders = [getattr(model_config, k, None) for k in ("image_token_id", "video_token_id")]
-        placeholders = [t for t in placeholders if t is not None]
-        if placeholders and config.suppress_tokens is None:
-            # A generated image placeholder would ask the next forward for image features that do not exist.
-            config.suppress_tokens = placeholders
-        return config
 
     def generate(
         self,

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
-from ..models.loading import get_tokenizer
+from ..models.loading import base_model, get_tokenizer
 
 
 logger = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ def check_images_fit(dataset, processing_class, model) -> None:
     if videos:
         from .vision import check_videos
 
-        config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+        config = base_model(model).config
         if getattr(config, "vision_config", None) is None:
             raise ValueError(
                 f"The dataset has a video column ({videos}), but {type(model).__name__} is not a vision-language "
@@ -223,7 +223,7 @@ def check_images_fit(dataset, processing_class, model) -> None:
         check_videos(dataset)
     if not any(c in names for c in IMAGE_COLUMNS):
         return
-    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    config = base_model(model).config
     if getattr(config, "vision_config", None) is None:
         raise ValueError(
             "The dataset appears to be vision-related (contains 'image' or 'images' keys), but the provided model "

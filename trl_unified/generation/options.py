@@ -104,11 +104,18 @@ def get_eos_token_ids(model, processing_class) -> list[int]:
 
 
 def build_generation_config(
-    args, processing_class, eos_token_ids: list[int], do_sample: bool = True, max_new_tokens: int | None = None
+    args,
+    processing_class,
+    eos_token_ids: list[int],
+    do_sample: bool = True,
+    max_new_tokens: int | None = None,
+    model_config=None,
 ) -> GenerationConfig:
     """A `GenerationConfig` from a `PolicyConfig`'s sampling fields; `generation_kwargs` override them.
 
-    With `do_sample=False` the sampling fields are left out (greedy decoding).
+    With `do_sample=False` the sampling fields are left out (greedy decoding). With a vision-language
+    `model_config`, its image / video placeholder tokens are suppressed (unless `suppress_tokens` is set): a generated
+    placeholder would ask the next forward for image features that do not exist.
     """
     tokenizer = get_tokenizer(processing_class)
     kwargs: dict[str, Any] = {
@@ -125,6 +132,9 @@ def build_generation_config(
     else:  # explicit neutral values, so the model's own sampling defaults cannot leak in
         kwargs.update(temperature=None, top_p=None, top_k=None, min_p=None)
     kwargs.update(args.generation_kwargs or {})
+    placeholders = [getattr(model_config, k, None) for k in ("image_token_id", "video_token_id")]
+    if kwargs.get("suppress_tokens") is None and any(t is not None for t in placeholders):
+        kwargs["suppress_tokens"] = [t for t in placeholders if t is not None]
     return GenerationConfig(**kwargs, disable_compile=True)
 
 

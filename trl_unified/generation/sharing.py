@@ -17,6 +17,7 @@ import inspect
 import torch
 from transformers import Cache
 
+from ..models.loading import base_model
 from .fallbacks import report_fallback
 
 
@@ -116,7 +117,7 @@ def _select_rows(model, cache: Cache, index: torch.Tensor) -> Cache:
 def _base_model(model):
     """The model under a DDP / DeepSpeed wrapper (`.module`) and a PEFT wrapper."""
     base = model.module if hasattr(model, "module") else model
-    return base.get_base_model() if hasattr(base, "get_base_model") else base
+    return base_model(base)
 
 
 def generation_positions(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,8 @@ import contextlib
 
 from transformers import GenerationConfig
 
+from ..models.loading import base_model
+
 
 def _deepspeed_zero3(accelerator) -> bool:
     plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
@@ -63,7 +65,7 @@ def unwrap_for_generation(
     """
     unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
     unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)  # torch.compile'd (torch_compile=True): decode eagerly
-    base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+    base = base_model(unwrapped)
     was_training = unwrapped.training
     # Flip the per-layer flags instead of disable/enable: that keeps the checkpoint function and its kwargs.
     checkpointed = [m for m in unwrapped.modules() if getattr(m, "gradient_checkpointing", False) is True]

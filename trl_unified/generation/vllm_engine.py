@@ -34,8 +34,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from accelerate.utils import is_peft_model
 from transformers import GenerationConfig
 
+from ..models.loading import base_model
 from .options import eos_ids
 from .unwrap import _deepspeed_zero3, fsdp1_class, zero3_gathered
 
@@ -75,7 +77,7 @@ def named_weights(model, accelerator=None) -> Iterator[tuple[str, torch.Tensor]]
     not needed by vLLM and are skipped."""
     unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
     unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
-    is_peft = hasattr(unwrapped, "merge_adapter") and hasattr(unwrapped, "peft_config")
+    is_peft = is_peft_model(unwrapped)
     with _full_parameters(unwrapped, accelerator, everything=is_peft):
         merged = contextlib.nullcontext()
         if is_peft:
@@ -210,33 +212,39 @@ class VLLMEngine:
         pass
 
 
-def check_vllm_settings(args, model, accelerator) -> None:
-    """What cannot work, named before any engine starts (and before training)."""
+def check_vllm_config(args) -> None:
+    """The rules on a config's vLLM fields alone, checked when the config is built (`OnlineConfig`)."""
     if args.vllm_mode not in ("colocate", "server"):
         raise ValueError(f"vllm_mode={args.vllm_mode!r} must be 'colocate' or 'server'.")
+    if args.vllm_group_port != 51216:
+        raise NotImplementedError(
+            f"vllm_group_port={args.vllm_group_port} is the port of TRL's NCCL weight-update group "
+            "(`trl vllm-serve`); trl_unified's server mode syncs weights through the server's /collective_rpc and "
+            "needs no such port. Leave it at its default (51216)."
+        )
+    if args.vllm_mode == "colocate":
+        require_vllm()
+        if args.vllm_tensor_parallel_size < 1:
+            raise ValueError(f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size} must be >= 1.")
+        if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
+            raise ValueError("vllm_enable_sleep_mode=True needs a CUDA device (vLLM's sleep mode is CUDA-only).")
+
+
+def check_vllm_settings(args, model, accelerator) -> None:
+    """What cannot work with this model and launch, named before any engine starts (the config's own rules were
+    checked when it was built: `check_vllm_config`)."""
     unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
     config = getattr(unwrapped, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError("use_vllm=True needs a decoder-only policy; vLLM does not train-sync encoder-decoder models.")
     if args.vllm_mode == "colocate":
-        require_vllm()
-        world = accelerator.num_processes if accelerator is not None else 1
-        tp = args.vllm_tensor_parallel_size
-        if tp < 1 or world % tp:
+        world, tp = accelerator.num_processes if accelerator is not None else 1, args.vllm_tensor_parallel_size
+        if world % tp:
             raise ValueError(
                 f"vllm_tensor_parallel_size={tp} must divide the number of training processes ({world}): in "
                 "colocate mode each tensor-parallel group is made of training processes."
             )
         _check_architecture(config, args.vllm_model_impl)
-        if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
-            raise ValueError("vllm_enable_sleep_mode=True needs a CUDA device (vLLM's sleep mode is CUDA-only).")
-    if args.vllm_group_port != 51216:
-        raise NotImplementedError(
-            f"vllm_group_port={args.vllm_group_port} is the port of TRL's NCCL weight-update group "
-            "(`trl vllm-serve`); "
-            "trl_unified's server mode syncs weights through the server's /collective_rpc and needs no such port. "
-            "Leave it at its default (51216)."
-        )
 
 
 def _check_architecture(config, model_impl: str) -> None:
@@ -265,7 +273,7 @@ class VLLMColocateEngine(VLLMEngine):
         super().__init__(args, args.vllm_structured_outputs_regex, _engine_generation_kwargs(args))
         unwrapped = accelerator.unwrap_model(model)
         unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
-        base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+        base = base_model(unwrapped)
         tp = args.vllm_tensor_parallel_size
         self.tp_group = None
         if tp > 1:
@@ -478,7 +486,7 @@ class VLLMServerEngine(VLLMEngine):
 
     def sync_weights(self, model, accelerator) -> None:
         config = (accelerator.unwrap_model(model) if accelerator is not None else model).config
-        config = getattr(getattr(model, "get_base_model", lambda: model)(), "config", config)
+        config = getattr(base_model(model), "config", config)
         _write_checkpoint(self.weights_dir, config, named_weights(model, accelerator), accelerator.is_main_process)
         if accelerator.is_main_process:
             self._request(

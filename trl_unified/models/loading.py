@@ -25,9 +25,15 @@ def get_tokenizer(processing_class: PreTrainedTokenizerBase | ProcessorMixin) ->
     return getattr(processing_class, "tokenizer", processing_class)
 
 
+def base_model(model):
+    """The model under a PEFT wrapper (`get_base_model()`), or `model` itself: the one test of "is this a PEFT
+    model" (accelerate's `is_peft_model`) that every module uses."""
+    return model.get_base_model() if is_peft_model(model) else model
+
+
 def model_id_of(model) -> str:
     """The id or path a model was loaded from (`config._name_or_path`), or its class name if built in memory."""
-    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model = base_model(model)
     return getattr(model.config, "_name_or_path", "") or type(model).__name__
 
 
@@ -42,7 +48,7 @@ def moe_aux_loss_setup(model, args) -> tuple[bool, float]:
     """`(aux_loss_enabled, router_aux_loss_coef)` as TRL's trainers set them: a Mixture-of-Experts model (its config
     has `output_router_logits`) adds `coef * load-balancing loss`, `coef` being `args.router_aux_loss_coef`, or the
     model config's own value when that is None; 0.0 disables it."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     text_config = base.config.get_text_config()
     coef = args.router_aux_loss_coef
     is_moe = hasattr(text_config, "output_router_logits")
@@ -241,7 +247,7 @@ def cast_lm_head_to_fp32(model) -> None:
     """Compute the LM head in float32 (as TRL's `cast_lm_head_to_fp32`): its weight becomes float32 and its input
     is cast up, so logits and log-probs keep float32 precision with bf16/fp16 weights. A tied input embedding keeps
     returning the model's dtype."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     head = base.get_output_embeddings()
     if head is None:
         raise ValueError(f"cast_lm_head_to_fp32=True, but {type(base).__name__} has no output embeddings (LM head).")

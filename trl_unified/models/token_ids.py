@@ -14,6 +14,8 @@ import contextlib
 import torch
 from torch import nn
 
+from .loading import base_model
+
 
 def embedding_rows(model) -> int | None:
     """Rows of `model`'s input embedding table (through DDP / DeepSpeed / PEFT wrappers; the full size under ZeRO-3),
@@ -101,7 +103,7 @@ def saved_without_unusable_pad(model):
     """While `model` is saved: a config pad id beyond its embedding table is written as None (and restored after).
     transformers' `Trainer.train` copies the tokenizer's pad id into the configs, and a saved `pad_token_id` beyond
     the table would stop the model from loading (`nn.Embedding` refuses such a `padding_idx`)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     rows, config = embedding_rows(base), getattr(base, "config", None)
     configs = [
         config,

@@ -5,10 +5,11 @@ import dataclasses
 import json
 import logging
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
-from ..core.config import PolicyConfig
+from ..core.config import PolicyConfig, option
+from ..generation.vllm_engine import check_vllm_config
 
 
 logger = logging.getLogger(__name__)
@@ -29,133 +30,96 @@ class OnlineConfig(PolicyConfig):
     # Fields that only matter with vLLM generation: set without it, TRL ignores them, and so do we (with a warning).
     _vllm_only_fields: ClassVar[tuple[str, ...]] = _VLLM_FIELDS[1:]
 
-    learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
-    remove_unused_columns: bool | None = field(
-        default=False, metadata={"help": "Keep every dataset column: extra columns reach the reward functions."}
+    learning_rate: float = option(1e-6, "Initial AdamW learning rate.")
+    remove_unused_columns: bool | None = option(
+        False, "Keep every dataset column: extra columns reach the reward functions."
     )
-    max_completion_length: int | None = field(
-        default=512, metadata={"help": "Maximum length of the generated completion."}
+    max_completion_length: int | None = option(512, "Maximum length of the generated completion.")
+    num_generations: int | None = option(8, "Completions sampled per prompt (G >= 2).")
+    num_generations_eval: int | None = option(
+        None, "Completions per prompt during evaluation. None uses num_generations."
     )
-    num_generations: int | None = field(default=8, metadata={"help": "Completions sampled per prompt (G >= 2)."})
-    num_generations_eval: int | None = field(
-        default=None, metadata={"help": "Completions per prompt during evaluation. None uses num_generations."}
+    ds3_gather_for_generation: bool = option(
+        True, "Under ZeRO-3, gather the policy weights once per generation call (fast, needs memory)."
     )
-    ds3_gather_for_generation: bool = field(
-        default=True,
-        metadata={"help": "Under ZeRO-3, gather the policy weights once per generation call (fast, needs memory)."},
+    shuffle_dataset: bool | None = option(True, "Shuffle the training prompts.")
+    generation_batch_size: int | None = option(
+        None,
+        "Completions per generation round, all processes. None: per_device_train_batch_size * num_processes * "
+        "steps_per_generation.",
     )
-    shuffle_dataset: bool | None = field(default=True, metadata={"help": "Shuffle the training prompts."})
-    generation_batch_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Completions per generation round, all processes. None: per_device_train_batch_size * "
-            "num_processes * steps_per_generation."
-        },
+    steps_per_generation: int | None = option(
+        None, "Micro-steps served by one generation round. None uses gradient_accumulation_steps."
     )
-    steps_per_generation: int | None = field(
-        default=None,
-        metadata={"help": "Micro-steps served by one generation round. None uses gradient_accumulation_steps."},
+    use_vllm: bool = option(False, "Generate with vLLM (docs/vllm.md): colocate or server mode, see vllm_mode.")
+    vllm_mode: str = option(
+        "colocate",
+        "'colocate': a vLLM engine in each training process; 'server': a separately started vLLM server "
+        "(VLLM_SERVER_DEV_MODE=1 vllm serve MODEL) at vllm_server_base_url or host:port.",
     )
-    use_vllm: bool = field(
-        default=False,
-        metadata={"help": "Generate with vLLM (docs/vllm.md): colocate or server mode, see vllm_mode."},
+    vllm_model_impl: str = option("vllm", "vLLM's model implementation: 'vllm', 'transformers' or 'auto'.")
+    vllm_enable_sleep_mode: bool = option(False, "Free the colocated engine's memory between generations (CUDA only).")
+    vllm_structured_outputs_regex: str | None = option(
+        None, "Constrain completions to this regex (vLLM structured outputs)."
     )
-    vllm_mode: str = field(
-        default="colocate",
-        metadata={
-            "help": "'colocate': a vLLM engine in each training process; 'server': a separately started vLLM "
-            "server (VLLM_SERVER_DEV_MODE=1 vllm serve MODEL) at vllm_server_base_url or host:port."
-        },
+    vllm_server_base_url: str | None = option(
+        None, "Server mode: base URL of the vLLM server; overrides host and port."
     )
-    vllm_model_impl: str = field(
-        default="vllm", metadata={"help": "vLLM's model implementation: 'vllm', 'transformers' or 'auto'."}
+    vllm_server_host: str = option("0.0.0.0", "Server mode: host of the vLLM server.")
+    vllm_server_port: int = option(8000, "Server mode: port of the vLLM server.")
+    vllm_server_timeout: float = option(240.0, "Server mode: seconds to wait for the server to answer /health.")
+    vllm_group_port: int = option(
+        51216, "Port of TRL's NCCL weight-update group; unused here (must stay 51216, docs/vllm.md)."
     )
-    vllm_enable_sleep_mode: bool = field(
-        default=False, metadata={"help": "Free the colocated engine's memory between generations (CUDA only)."}
+    vllm_gpu_memory_utilization: float = option(
+        0.3, "Colocate: share of the device's memory the engine takes (on CPU: of host memory)."
     )
-    vllm_structured_outputs_regex: str | None = field(
-        default=None, metadata={"help": "Constrain completions to this regex (vLLM structured outputs)."}
+    vllm_max_model_length: int | None = option(
+        None, "Colocate: the engine's context length. None: the model config's."
     )
-    vllm_server_base_url: str | None = field(
-        default=None, metadata={"help": "Server mode: base URL of the vLLM server; overrides host and port."}
+    vllm_tensor_parallel_size: int = option(
+        1, "Colocate: training processes per tensor-parallel engine (divides the world)."
     )
-    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Server mode: host of the vLLM server."})
-    vllm_server_port: int = field(default=8000, metadata={"help": "Server mode: port of the vLLM server."})
-    vllm_server_timeout: float = field(
-        default=240.0, metadata={"help": "Server mode: seconds to wait for the server to answer /health."}
+    beta: float = option(0.0, "KL coefficient β. If 0.0, no reference model is loaded.")
+    num_iterations: int = option(1, "Optimisation passes over each generation batch (μ).")
+    epsilon: float = option(0.2, "Lower clipping range of the probability ratio.")
+    epsilon_high: float | None = option(None, "Upper clipping range. None uses epsilon (DAPO recommends 0.28).")
+    reward_weights: list[float] | None = option(None, "One weight per reward function. None weighs them all 1.0.")
+    mask_truncated_completions: bool = option(
+        False, "Exclude completions that hit max_completion_length without EOS from the loss."
     )
-    vllm_group_port: int = field(
-        default=51216,
-        metadata={"help": "Port of TRL's NCCL weight-update group; unused here (must stay 51216, docs/vllm.md)."},
+    log_completions: bool = option(False, "Print (and send to W&B) a sample of completions at every logging step.")
+    log_multimodal: bool = option(True, "Include images in the logged completion samples.")
+    num_completions_to_print: int | None = option(
+        None, "Completions printed when log_completions is on. None prints all."
     )
-    vllm_gpu_memory_utilization: float = field(
-        default=0.3,
-        metadata={"help": "Colocate: share of the device's memory the engine takes (on CPU: of host memory)."},
+    log_unique_prompts: bool = option(False, "Log each prompt once in completion samples.")
+    use_transformers_continuous_batching: bool = option(
+        False,
+        "Generate with transformers' continuous batching (`model.generate_batch`, paged attention) instead of padded "
+        "batches; text-only models.",
     )
-    vllm_max_model_length: int | None = field(
-        default=None, metadata={"help": "Colocate: the engine's context length. None: the model config's."}
+    transformers_continuous_batching_config: dict | str | None = option(
+        None, "ContinuousBatchingConfig kwargs (JSON on the command line); max_memory_percent 0.5."
     )
-    vllm_tensor_parallel_size: int = field(
-        default=1, metadata={"help": "Colocate: training processes per tensor-parallel engine (divides the world)."}
+    use_transformers_paged: bool = option(
+        False, "Deprecated alias of use_transformers_continuous_batching (as in TRL)."
     )
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient β. If 0.0, no reference model is loaded."})
-    num_iterations: int = field(default=1, metadata={"help": "Optimisation passes over each generation batch (μ)."})
-    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range of the probability ratio."})
-    epsilon_high: float | None = field(
-        default=None, metadata={"help": "Upper clipping range. None uses epsilon (DAPO recommends 0.28)."}
-    )
-    reward_weights: list[float] | None = field(
-        default=None, metadata={"help": "One weight per reward function. None weighs them all 1.0."}
-    )
-    mask_truncated_completions: bool = field(
-        default=False,
-        metadata={"help": "Exclude completions that hit max_completion_length without EOS from the loss."},
-    )
-    log_completions: bool = field(
-        default=False,
-        metadata={"help": "Print (and send to W&B) a sample of completions at every logging step."},
-    )
-    log_multimodal: bool = field(default=True, metadata={"help": "Include images in the logged completion samples."})
-    num_completions_to_print: int | None = field(
-        default=None, metadata={"help": "Completions printed when log_completions is on. None prints all."}
-    )
-    log_unique_prompts: bool = field(default=False, metadata={"help": "Log each prompt once in completion samples."})
-    use_transformers_continuous_batching: bool = field(
-        default=False,
-        metadata={
-            "help": "Generate with transformers' continuous batching (`model.generate_batch`, paged attention) "
-            "instead of padded batches; text-only models."
-        },
-    )
-    transformers_continuous_batching_config: dict | str | None = field(
-        default=None,
-        metadata={"help": "ContinuousBatchingConfig kwargs (JSON on the command line); max_memory_percent 0.5."},
-    )
-    use_transformers_paged: bool = field(
-        default=False,
-        metadata={"help": "Deprecated alias of use_transformers_continuous_batching (as in TRL)."},
-    )
-    strict_rewards: bool = field(
-        default=False,
-        metadata={
-            "help": "trl_unified only. Raise when every reward function returns None for a whole generation batch "
-            "(TRL's behaviour, the default here too, is to warn and train on zero advantages)."
-        },
+    strict_rewards: bool = option(
+        False,
+        "trl_unified only. Raise when every reward function returns None for a whole generation batch (TRL's "
+        "behaviour, the default here too, is to warn and train on zero advantages).",
     )
 
-    cast_lm_head_to_fp32: bool = field(
-        default=False,
-        metadata={
-            "help": "Compute the LM head (policy and reference) in float32, for exact log-probs with bf16/fp16 "
-            "weights. Not with a PEFT adapter on the LM head."
-        },
+    cast_lm_head_to_fp32: bool = option(
+        False,
+        "Compute the LM head (policy and reference) in float32, for exact log-probs with bf16/fp16 weights. Not with "
+        "a PEFT adapter on the LM head.",
     )
-    max_tool_calling_iterations: int | None = field(
-        default=None,
-        metadata={
-            "help": "Most tool-calling rounds per completion (with `tools` / `environment_factory`); None: until a "
-            "turn has no tool call or max_completion_length is spent."
-        },
+    max_tool_calling_iterations: int | None = option(
+        None,
+        "Most tool-calling rounds per completion (with `tools` / `environment_factory`); None: until a turn has no "
+        "tool call or max_completion_length is spent.",
     )
 
     def __post_init__(self):
@@ -189,17 +153,13 @@ class OnlineConfig(PolicyConfig):
         return f"`beta={self.beta}`"
 
     def _check_vllm_fields(self):
-        """With `use_vllm=True`: the mode, and vLLM installed for colocate mode (server mode needs only HTTP).
+        """With `use_vllm=True`: one engine, and the vLLM fields' own rules (`check_vllm_config`; vLLM installed for
+        colocate mode, server mode needs only HTTP).
         Without it the vLLM fields change nothing, so setting them is ignored with a warning, as TRL ignores them."""
         if self.use_vllm:
-            if self.vllm_mode not in ("colocate", "server"):
-                raise ValueError(f"vllm_mode={self.vllm_mode!r} must be 'colocate' or 'server'.")
             if self.use_transformers_continuous_batching:
                 raise ValueError("Set use_vllm or use_transformers_continuous_batching, not both.")
-            if self.vllm_mode == "colocate":
-                from ..generation.vllm_engine import require_vllm
-
-                require_vllm()
+            check_vllm_config(self)
             return
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         changed = [name for name in self._vllm_only_fields if getattr(self, name) != defaults[name]]

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..core.logprobs import position_ids_from_mask  # noqa: F401 (re-exported: PPO's users import it here)
-from ..models.loading import get_tokenizer
+from ..models.loading import base_model, get_tokenizer
 from ..models.token_ids import check_ids_in_table, check_table_covers_tokenizer, embedding_rows, mask_padding
 
 
@@ -168,7 +168,7 @@ def attach_value_model(policy: nn.Module, value_model: nn.Module) -> ValueHead:
     `policy.value_model` is `value_model`, `policy.policy` the policy itself. Returns the `ValueHead`."""
     head = ValueHead(value_model)
     value_model.requires_grad_(True)
-    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    base = base_model(policy)
     base.add_module("value_model", value_model)
     # TRL 1.12's `trainer.model.policy`: a plain attribute (not a submodule: the module tree must stay acyclic)
     object.__setattr__(policy, "policy", policy)
@@ -179,7 +179,7 @@ def attach_value_model(policy: nn.Module, value_model: nn.Module) -> ValueHead:
 @contextlib.contextmanager
 def without_value_model(model: nn.Module):
     """The policy alone, for saving (the critic is not part of the published model)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     head = base._modules.pop("value_model", None)
     try:
         yield model
@@ -232,7 +232,8 @@ class EveryNStepsScheduler:
 
 
 class CriticMixin:
-    """An online trainer with a learned critic (PPO): mix in before `OnlineTrainer`, call `attach_critic` in `setup`.
+    """An online trainer with a learned critic (PPO): mix in before `OnlineTrainer`, call `attach_critic` in `setup`;
+    its config has `save_value_model` (whether `save_model` also writes the critic).
 
     A subclass may override `optimizer_steps_per_rollout()` (default 1): the learning rate then moves once per that
     many optimiser steps, as TRL's PPO moves it once per rollout."""
@@ -296,7 +297,7 @@ class CriticMixin:
         in `<output_dir>/value_model`)."""
         with without_value_model(self.accelerator.unwrap_model(self.model)):
             super().save_model(output_dir, _internal_call)
-        if getattr(self.args, "save_value_model", False) and not _internal_call and self.is_world_process_zero():
+        if self.args.save_value_model and not _internal_call and self.is_world_process_zero():
             self.value_model.save_pretrained(os.path.join(output_dir or self.args.output_dir, "value_model"))
 
     def _save_checkpoint(self, model, trial):

@@ -140,7 +140,7 @@ def prepare_preference_dataset(dataset, processing_class, args, name: str, paire
     dataset = dataset.map(
         split_completions, fn_kwargs={"processing_class": processing_class, "keys": keys}, **map_kwargs
     )
-    if args.max_length is not None and getattr(args, "truncation_mode", "keep_start") == "keep_start":
+    if args.max_length is not None and args.truncation_mode == "keep_start":
         before = len(dataset) if isinstance(dataset, Dataset) else None
         dataset = dataset.filter(lambda row: len(row["prompt_ids"]) < args.max_length, **map_kwargs)
         if before is not None and len(dataset) < before:

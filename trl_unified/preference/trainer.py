@@ -4,14 +4,14 @@ sequence log-probs of completions, and reference log-probs (on the fly or precom
 """
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from datasets import IterableDataset
 from torch.utils.data import DataLoader
 
-from ..core.config import PolicyConfig
+from ..core.config import PolicyConfig, option
 from ..core.logprobs import TokenLogprobs, compute_shared_logprobs, compute_token_logprobs
 from ..core.trainer import PolicyTrainerBase
 from ..data.datasets import check_images_fit, column_names, dataset_columns
@@ -39,24 +39,22 @@ class PreferenceConfig(PolicyConfig):
         "use_liger_kernel": "Liger kernels are not implemented.",
     }
 
-    learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
-    disable_dropout: bool = field(
-        default=True, metadata={"help": "Set every dropout probability of the policy and reference to 0."}
+    learning_rate: float = option(1e-6, "Initial AdamW learning rate.")
+    disable_dropout: bool = option(True, "Set every dropout probability of the policy and reference to 0.")
+    dataset_num_proc: int | None = option(None, "Processes used to tokenise the dataset.")
+    max_length: int | None = option(1024, "Maximum tokens of prompt + completion; longer rows are truncated.")
+    precompute_ref_log_probs: bool = option(
+        False, "Compute the reference log-probs of every row once before training, then drop the forward."
     )
-    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes used to tokenise the dataset."})
-    max_length: int | None = field(
-        default=1024, metadata={"help": "Maximum tokens of prompt + completion; longer rows are truncated."}
+    precompute_ref_batch_size: int | None = option(
+        None, "Batch size of the precomputation. None: the per-device train / eval batch size."
     )
-    precompute_ref_log_probs: bool = field(
-        default=False,
-        metadata={"help": "Compute the reference log-probs of every row once before training, then drop the forward."},
-    )
-    precompute_ref_batch_size: int | None = field(
-        default=None,
-        metadata={"help": "Batch size of the precomputation. None: the per-device train / eval batch size."},
-    )
-    beta: float = field(default=0.1, metadata={"help": "β: the strength of the tie to the reference model."})
-    activation_offloading: bool = field(default=False, metadata={"help": "Offload activations to the CPU."})
+    beta: float = option(0.1, "β: the strength of the tie to the reference model.")
+    activation_offloading: bool = option(False, "Offload activations to the CPU.")
+    # Fixed for the trainers whose TRL config lacks these fields (KTO): rows keep their start, no WPO weights.
+    # DPOConfig declares both as fields.
+    truncation_mode: ClassVar[str] = "keep_start"
+    use_weighting: ClassVar[bool] = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -179,7 +177,7 @@ class PreferenceTrainer(PolicyTrainerBase):
         return collator(
             pad_token_id=get_tokenizer(self.processing_class).pad_token_id,
             max_length=self.args.max_length,
-            truncation_mode=getattr(self.args, "truncation_mode", "keep_start"),
+            truncation_mode=self.args.truncation_mode,
             pad_to_multiple_of=self.args.pad_to_multiple_of,
             processing_class=self.processing_class,
         )
@@ -234,7 +232,7 @@ class PreferenceTrainer(PolicyTrainerBase):
     def _logp_options(self, stats: bool) -> dict:
         return dict(
             compute_entropy=stats,
-            logits_stats=preference_token_stats(getattr(self.args, "use_weighting", False)) if stats else None,
+            logits_stats=preference_token_stats(self.args.use_weighting) if stats else None,
             output_router_logits=stats and self.aux_loss_enabled,
             from_hidden_states=self.args.chunked_lm_head,
         )

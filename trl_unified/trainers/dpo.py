@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..core.config import document_fields
+from ..core.config import TruncationConfig, document_fields, option
 from ..preference.data import PairedBatch
 from ..preference.trainer import PreferenceConfig, PreferenceTrainer
 
@@ -42,36 +42,25 @@ F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"
 
 @document_fields
 @dataclass
-class DPOConfig(PreferenceConfig):
+class DPOConfig(TruncationConfig, PreferenceConfig):
     """Configuration of `DPOTrainer`: every field of `trl.DPOConfig` 1.16, same names and defaults."""
 
-    truncation_mode: str = field(
-        default="keep_start", metadata={"help": "Keep the start ('keep_start') or end ('keep_end', deprecated)."}
-    )
     loss_type: list[str] = field(
         default_factory=lambda: ["sigmoid"], metadata={"help": f"One or more of {', '.join(LOSS_TYPES)}."}
     )
-    loss_weights: list[float] | None = field(
-        default=None, metadata={"help": "One weight per loss type (MPO: [0.8, 0.2, 1.0]). None: all 1.0."}
-    )
-    ld_alpha: float | None = field(
-        default=None, metadata={"help": "LD-DPO α in [0, 1]: weight of tokens beyond the shorter completion."}
-    )
+    loss_weights: list[float] | None = option(None, "One weight per loss type (MPO: [0.8, 0.2, 1.0]). None: all 1.0.")
+    ld_alpha: float | None = option(None, "LD-DPO α in [0, 1]: weight of tokens beyond the shorter completion.")
     f_divergence_type: str = field(default="reverse_kl", metadata={"help": f"One of {', '.join(F_DIVERGENCES)}."})
-    f_alpha_divergence_coef: float = field(default=0.5, metadata={"help": "α of the alpha_divergence."})
-    label_smoothing: float = field(
-        default=0.0, metadata={"help": "Robust DPO: label-flip probability in [0, 0.5); EXO: ε (e.g. 1e-3)."}
-    )
-    use_weighting: bool = field(default=False, metadata={"help": "WPO weights from length-normalised log-probs."})
-    discopop_tau: float = field(default=0.05, metadata={"help": "τ of the DiscoPOP loss."})
-    pad_token: str | None = field(default=None, metadata={"help": "Deprecated: set tokenizer.pad_token instead."})
-    padding_free: bool | None = field(
-        default=False,
-        metadata={
-            "help": "TRL's default, False: padded rows where prompts are not shared. True packs the rows instead of "
-            "sharing prompts; None (auto) packs the passes that do not share prompts where at least 10% of their "
-            "slots are padding (core/packing.py). The same numbers either way."
-        },
+    f_alpha_divergence_coef: float = option(0.5, "α of the alpha_divergence.")
+    label_smoothing: float = option(0.0, "Robust DPO: label-flip probability in [0, 0.5); EXO: ε (e.g. 1e-3).")
+    use_weighting: bool = option(False, "WPO weights from length-normalised log-probs.")
+    discopop_tau: float = option(0.05, "τ of the DiscoPOP loss.")
+    pad_token: str | None = option(None, "Deprecated: set tokenizer.pad_token instead.")
+    padding_free: bool | None = option(
+        False,
+        "TRL's default, False: padded rows where prompts are not shared. True packs the rows instead of sharing "
+        "prompts; None (auto) packs the passes that do not share prompts where at least 10% of their slots are "
+        "padding (core/packing.py). The same numbers either way.",
     )
 
     def __post_init__(self):
@@ -98,8 +87,7 @@ class DPOConfig(PreferenceConfig):
             raise NotImplementedError("use_weighting is not defined for 'aot'/'aot_unpaired': they sort the pairs.")
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
             raise ValueError(f"ld_alpha={self.ld_alpha} must be in [0, 1] (or None).")
-        if self.truncation_mode not in ("keep_start", "keep_end"):
-            raise ValueError(f"truncation_mode={self.truncation_mode!r} must be 'keep_start' or 'keep_end'.")
+        self.check_truncation_mode()
         if "robust" in self.loss_type and not 0.0 <= self.label_smoothing < 0.5:
             warnings.warn(f"label_smoothing={self.label_smoothing} should be in [0, 0.5) for 'robust'.", stacklevel=2)
         for name, value, advice in (

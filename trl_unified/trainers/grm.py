@@ -12,13 +12,13 @@ with `answer_extractor`, and compared with the row's reference answer (`eval_ans
 row's own reference judgment).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from datasets import IterableDataset
 
-from ..core.config import PolicyConfig, document_fields
+from ..core.config import PolicyConfig, TruncationConfig, document_fields, option
 from ..core.trainer import PolicyTrainerBase
 from ..data.datasets import (
     dataset_columns,
@@ -33,7 +33,7 @@ from ..models.token_ids import embedding_rows, mask_padding
 
 @document_fields
 @dataclass
-class GRMConfig(PolicyConfig):
+class GRMConfig(TruncationConfig, PolicyConfig):
     """Configuration of `GRMTrainer`: `trl.SFTConfig`'s names for the fields that mean the same, plus the base's
     generative-evaluation fields (`max_completion_length` = tokens per generated judgment, `answer_extractor`,
     `eval_answer_field`)."""
@@ -45,46 +45,25 @@ class GRMConfig(PolicyConfig):
         "shared_prefix": "GRM rows do not repeat a prompt: there is nothing to share.",
     }
 
-    learning_rate: float = field(default=2e-5, metadata={"help": "Initial AdamW learning rate."})
-    max_length: int | None = field(
-        default=1024, metadata={"help": "Maximum tokens per row (prompt + judgment). None: no truncation."}
+    learning_rate: float = option(2e-5, "Initial AdamW learning rate.")
+    max_length: int | None = option(1024, "Maximum tokens per row (prompt + judgment). None: no truncation.")
+    completion_only_loss: bool | None = option(
+        None, "Loss on the judgment only (prompt masked). None: True for prompt/completion and messages rows."
     )
-    truncation_mode: str = field(
-        default="keep_start",
-        metadata={
-            "help": "'keep_start' drops the end of a too-long row, 'keep_end' its beginning (the prompt's start)."
-        },
+    assistant_only_loss: bool = option(
+        False, "For 'messages' rows: loss on every assistant turn (needs {% generation %} in the chat template)."
     )
-    completion_only_loss: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Loss on the judgment only (prompt masked). None: True for prompt/completion and messages rows."
-        },
-    )
-    assistant_only_loss: bool = field(
-        default=False,
-        metadata={
-            "help": "For 'messages' rows: loss on every assistant turn (needs {% generation %} in the chat template)."
-        },
-    )
-    dataset_text_field: str = field(
-        default="text", metadata={"help": "Column of plain-text rows (no prompt: loss on all)."}
-    )
-    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes used to tokenise the dataset."})
-    eos_token: str | None = field(
-        default=None, metadata={"help": "Token appended to standard completions. None uses the tokenizer's EOS."}
-    )
-    packing: bool = field(default=False, metadata={"help": "Pack rows into max_length blocks (not implemented)."})
-    padding_free: bool = field(default=False, metadata={"help": "Flatten batches without padding (not implemented)."})
-    pad_to_multiple_of: int | None = field(
-        default=None, metadata={"help": "Pad each batch's length to a multiple of this."}
-    )
-    loss_type: str = field(default="nll", metadata={"help": "Loss: 'nll' (negative log-likelihood of the judgment)."})
+    dataset_text_field: str = option("text", "Column of plain-text rows (no prompt: loss on all).")
+    dataset_num_proc: int | None = option(None, "Processes used to tokenise the dataset.")
+    eos_token: str | None = option(None, "Token appended to standard completions. None uses the tokenizer's EOS.")
+    packing: bool = option(False, "Pack rows into max_length blocks (not implemented).")
+    padding_free: bool = option(False, "Flatten batches without padding (not implemented).")
+    pad_to_multiple_of: int | None = option(None, "Pad each batch's length to a multiple of this.")
+    loss_type: str = option("nll", "Loss: 'nll' (negative log-likelihood of the judgment).")
 
     def __post_init__(self):
         super().__post_init__()
-        if self.truncation_mode not in ("keep_start", "keep_end"):
-            raise ValueError(f"truncation_mode={self.truncation_mode!r} is not one of ['keep_end', 'keep_start'].")
+        self.check_truncation_mode()
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(f"max_length={self.max_length} must be >= 2 (or None for no truncation).")
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset
 
-from ..core.config import document_fields
+from ..core.config import document_fields, option
 from ..preference.data import UnpairedBatch
 from ..preference.trainer import PreferenceConfig, PreferenceTrainer
 
@@ -43,10 +43,10 @@ class KTOConfig(PreferenceConfig):
     """Configuration of `KTOTrainer`: every field of `trl.KTOConfig` 1.16, same names and defaults."""
 
     loss_type: str = field(default="kto", metadata={"help": f"One of {', '.join(LOSS_TYPES)}."})
-    desirable_weight: float = field(default=1.0, metadata={"help": "λ_D, weight of the desirable rows' losses."})
-    undesirable_weight: float = field(default=1.0, metadata={"help": "λ_U, weight of the undesirable rows' losses."})
-    train_sampling_strategy: str = field(
-        default="sequential", metadata={"help": "Row order; 'sequential' keeps the KL pairing of neighbouring rows."}
+    desirable_weight: float = option(1.0, "λ_D, weight of the desirable rows' losses.")
+    undesirable_weight: float = option(1.0, "λ_U, weight of the undesirable rows' losses.")
+    train_sampling_strategy: str = option(
+        "sequential", "Row order; 'sequential' keeps the KL pairing of neighbouring rows."
     )
 
     def __post_init__(self):

@@ -20,12 +20,12 @@ With num_iterations == 1 the ratio is 1 and its gradient is A_i * grad log pi_th
 leave-one-out baseline. The Trainer divides L by the gradient-accumulation steps.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import gather
 
-from ..core.config import document_fields
+from ..core.config import document_fields, option
 from ..online.config import OnlineConfig
 from ..online.rewards import nanstd
 from ..online.rollout import RolloutBatch, RolloutPlan
@@ -54,13 +54,11 @@ def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor
 class RLOOConfig(OnlineConfig):
     """Configuration of `RLOOTrainer`: every field of `trl.RLOOConfig` 1.16, same names and defaults."""
 
-    num_generations: int | None = field(default=2, metadata={"help": "Completions sampled per prompt (G >= 2)."})
-    beta: float = field(default=0.05, metadata={"help": "KL coefficient β. If 0.0, no reference model is loaded."})
-    normalize_advantages: bool = field(
-        default=False, metadata={"help": "Normalise advantages over the generation batch to mean 0, std 1."}
-    )
-    reward_clip_range: tuple[float, float] | None = field(
-        default=None, metadata={"help": "Clip rewards to (min, max) before the KL penalty. None: no clipping."}
+    num_generations: int | None = option(2, "Completions sampled per prompt (G >= 2).")
+    beta: float = option(0.05, "KL coefficient β. If 0.0, no reference model is loaded.")
+    normalize_advantages: bool = option(False, "Normalise advantages over the generation batch to mean 0, std 1.")
+    reward_clip_range: tuple[float, float] | None = option(
+        None, "Clip rewards to (min, max) before the KL penalty. None: no clipping."
     )
 
     def __post_init__(self):
