@@ -4,7 +4,7 @@ from setuptools import find_packages, setup
 EXTRAS = {
     "deepspeed": ["deepspeed>=0.16"],
     "quantization": ["bitsandbytes>=0.45"],
-    "dev": ["pytest>=8", "pytest-xdist>=3.5", "matplotlib>=3.8", "pyyaml>=6", "ruff>=0.6"],
+    "dev": ["pytest>=8", "pytest-xdist>=3.5", "matplotlib>=3.8", "pyyaml>=6", "ruff>=0.6", "import-linter>=2.1"],
     "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
     "examples": ["matplotlib>=3.8"],
     # transformers' video processors (video rows in GRM, DPO, KTO); install beside a torch it matches (.ci/vision)

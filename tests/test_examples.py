@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.test_cli import WORDS_REWARD
 from trl_unified.pretrained import cache_dir
 
 
@@ -40,8 +41,9 @@ def test_rloo_example_real_run_from_yaml_with_lora(llama_path, tmp_path):
         f"model_name_or_path: {llama_path}\ndataset_name: {data_dir}\noutput_dir: {tmp_path / 'out'}\n"
         "max_steps: 2\nper_device_train_batch_size: 4\nnum_generations: 2\nmax_completion_length: 6\n"
         "learning_rate: 0.01\nsave_strategy: 'no'\nreport_to: none\ngradient_checkpointing: false\n"
-        "use_peft: true\nlora_r: 4\nlora_target_modules: [q_proj, v_proj]\n"
+        "use_peft: true\nlora_r: 4\nlora_target_modules: [q_proj, v_proj]\nreward_funcs: [my_rewards.words]\n"
     )
+    (tmp_path / "my_rewards.py").write_text(WORDS_REWARD)
     result = run_example("rloo.py", ["--config", str(tmp_path / "cfg.yaml"), "--logging_steps", "1"], tmp_path)
     assert "reward at start" in result.stdout
     for name in ("adapter_model.safetensors", "adapter_config.json", "README.md", "reward_curve.png"):

@@ -1,29 +1,23 @@
 # Copyright 2026 The trl_unified authors. Licensed under the Apache License, Version 2.0.
-"""`trl-unified distillation`: on-policy distillation of a student into a teacher's distribution.
-
-With no model and no config it runs an offline demo on CPU: a tiny student and a larger tiny teacher (same
-word-level tokenizer, a sharpened random teacher) built locally, synthetic prompts, a held-out split; it prints the
-held-out divergence before and after training. With arguments it is TRL's distillation script:
+"""`trl-unified distillation`: TRL's distillation script with trl_unified's classes (`scripts/trl_scripts.py`):
 
     trl-unified distillation --model_name_or_path <student> --teacher_model_name_or_path <teacher> \\
         --dataset_name <prompts dataset> --max_completion_length 128 --beta 0.5 --output_dir distilled
+
+With no model and no config, an offline demo on CPU: a tiny student and a larger tiny teacher (same word-level
+tokenizer, a sharpened random teacher) built locally, synthetic prompts and a held-out split; it prints the held-out
+divergence before and after training. `examples/distill.py` distils SmolLM2-135M-Instruct instead.
 """
 
 import os
 import sys
-from dataclasses import dataclass, field
 
 import torch
-from datasets import Dataset, load_dataset
-from transformers import AutoTokenizer
-from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
+from datasets import Dataset
+from trl import get_peft_config
 
-from trl_unified import DistillationConfig, DistillationTrainer
-
-
-@dataclass
-class DistillationScriptArguments(ScriptArguments):
-    dataset_name: str | None = field(default=None, metadata={"help": "Dataset id or path. None runs the demo."})
+from trl_unified import DistillationTrainer
+from trl_unified.scripts import trl_scripts
 
 
 DEMO_DEFAULTS = dict(
@@ -31,17 +25,6 @@ DEMO_DEFAULTS = dict(
     beta=0.5, max_steps=40, logging_steps=5, save_strategy="no", report_to="none", gradient_checkpointing=False,
     bf16=False, seed=0, output_dir="outputs/distillation-demo",
 )  # fmt: skip
-
-
-def is_demo(argv) -> bool:
-    return "--model_name_or_path" not in " ".join(argv) and "--config" not in argv
-
-
-def make_parser(prog=None, argv=None):
-    parser = TrlParser((DistillationScriptArguments, DistillationConfig, ModelConfig), prog=prog)
-    if is_demo(sys.argv[1:] if argv is None else argv):
-        parser.set_defaults(**DEMO_DEFAULTS)
-    return parser
 
 
 def demo_models_and_data(training_args):
@@ -63,36 +46,30 @@ def demo_models_and_data(training_args):
     return student, teacher, Dataset.from_dict({"prompt": prompts[:256]}), Dataset.from_dict({"prompt": prompts[256:]})
 
 
-def main():
-    demo = is_demo(sys.argv[1:])
-    script_args, training_args, model_args = make_parser().parse_args_and_config()
-    if demo:
-        model, teacher, train_dataset, eval_dataset = demo_models_and_data(training_args)
-    else:
-        model, teacher = model_args.model_name_or_path, training_args.teacher_model_name_or_path
-        training_args.model_init_kwargs = {
-            "revision": model_args.model_revision, "dtype": model_args.dtype,
-            **(training_args.model_init_kwargs or {}),
-        }  # fmt: skip
-        dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
-        train_dataset = dataset[script_args.dataset_train_split]
-        eval_dataset = dataset.get(script_args.dataset_test_split) if training_args.eval_strategy != "no" else None
-    tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
+def demo_parser(name: str, prog=None):
+    parser = trl_scripts.make_parser(name, prog)
+    parser.set_defaults(**DEMO_DEFAULTS)
+    return parser
+
+
+def demo(name: str, argv: list[str]) -> None:
+    _, training_args, model_args, _ = demo_parser(name).parse_args_and_config(argv)
+    model, teacher, train_dataset, eval_dataset = demo_models_and_data(training_args)
     trainer = DistillationTrainer(
         model, teacher, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-        processing_class=tokenizer, peft_config=None if demo else get_peft_config(model_args),
+        peft_config=get_peft_config(model_args),
     )  # fmt: skip
-    before = trainer.evaluate()["eval_loss"] if eval_dataset is not None else None
-    trainer.train()
+    before = trainer.evaluate()["eval_loss"]
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
-    if before is not None:
-        after = trainer.evaluate()["eval_loss"]
-        if trainer.accelerator.is_main_process:
-            print(f"held-out divergence (beta={training_args.beta}): {before:.4f} -> {after:.4f}")
-    if trainer.accelerator.is_main_process:
-        print(f"student, tokenizer and model card saved to {training_args.output_dir}")
+    after = trainer.evaluate()["eval_loss"]
+    trainer.accelerator.print(f"held-out divergence (beta={training_args.beta}): {before:.4f} -> {after:.4f}")
+    trainer.accelerator.print(f"student, tokenizer and model card saved to {training_args.output_dir}")
     if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+        trainer.push_to_hub()
+
+
+make_parser, main = trl_scripts.entry_points("distillation", sys.modules[__name__])  # the demo is above
 
 
 if __name__ == "__main__":

@@ -1,19 +1,12 @@
 # Copyright 2026 The trl_unified authors. Licensed under the Apache License, Version 2.0.
-"""`trl-unified dpo` and `examples/dpo.py`: the offline demo without arguments, a TRL-style script otherwise."""
+"""`trl-unified dpo` and `examples/dpo.py`: TRL's dpo script with trl_unified's classes
+(`scripts/trl_scripts.py`), or with no model and no config the offline demo (`scripts/preference.py`)."""
 
-import sys
-
-from trl_unified import DPOConfig, DPOTrainer
-from trl_unified.scripts import preference
+from trl_unified.scripts import preference, trl_scripts
 
 
-def make_parser(prog=None, argv=None):
-    return preference.make_parser(DPOTrainer, DPOConfig, prog, argv)
-
-
-def main():
-    preference.main(DPOTrainer, DPOConfig)
+make_parser, main = trl_scripts.entry_points("dpo", preference)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,19 +1,12 @@
 # Copyright 2026 The trl_unified authors. Licensed under the Apache License, Version 2.0.
-"""`trl-unified grpo` and `examples/grpo.py`: the offline demo without arguments, a TRL-style script otherwise."""
+"""`trl-unified grpo` and `examples/grpo.py`: TRL's grpo script with trl_unified's classes
+(`scripts/trl_scripts.py`), or with no model and no config the offline demo (`scripts/online.py`)."""
 
-import sys
-
-from trl_unified import GRPOConfig, GRPOTrainer
-from trl_unified.scripts import online
+from trl_unified.scripts import online, trl_scripts
 
 
-def make_parser(prog=None, argv=None):
-    return online.make_parser(GRPOTrainer, GRPOConfig, prog, argv)
-
-
-def main():
-    online.main(GRPOTrainer, GRPOConfig)
+make_parser, main = trl_scripts.entry_points("grpo", online)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,19 +1,12 @@
 # Copyright 2026 The trl_unified authors. Licensed under the Apache License, Version 2.0.
-"""`trl-unified kto` and `examples/kto.py`: the offline demo without arguments, a TRL-style script otherwise."""
+"""`trl-unified kto` and `examples/kto.py`: TRL's kto script with trl_unified's classes
+(`scripts/trl_scripts.py`), or with no model and no config the offline demo (`scripts/preference.py`)."""
 
-import sys
-
-from trl_unified import KTOConfig, KTOTrainer
-from trl_unified.scripts import preference
+from trl_unified.scripts import preference, trl_scripts
 
 
-def make_parser(prog=None, argv=None):
-    return preference.make_parser(KTOTrainer, KTOConfig, prog, argv)
-
-
-def main():
-    preference.main(KTOTrainer, KTOConfig)
+make_parser, main = trl_scripts.entry_points("kto", preference)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -21,10 +21,11 @@ import sys
 
 from datasets import load_dataset
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
-from trl import ModelConfig, TrlParser, get_peft_config
+from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_unified import PPOConfig, PPOTrainer
-from trl_unified.scripts.online import OnlineScriptArguments, demo_model_and_data, save_reward_curve, target_fraction
+from trl_unified.scripts.online import DemoArguments, demo_model_and_data, target_fraction
+from trl_unified.scripts.trl_scripts import plot
 
 
 DEMO_DEFAULTS = dict(
@@ -50,7 +51,7 @@ def is_demo(argv) -> bool:
 
 
 def make_parser(prog=None, argv=None):
-    parser = TrlParser((OnlineScriptArguments, PPOConfig, ModelConfig), prog=prog)
+    parser = TrlParser((ScriptArguments, PPOConfig, ModelConfig, DemoArguments), prog=prog)
     if is_demo(sys.argv[1:] if argv is None else argv):
         parser.set_defaults(**DEMO_DEFAULTS)
     return parser
@@ -58,11 +59,11 @@ def make_parser(prog=None, argv=None):
 
 def main():
     demo = is_demo(sys.argv[1:])
-    script_args, args, model_args = make_parser().parse_args_and_config()
+    script_args, args, model_args, demo_args = make_parser().parse_args_and_config()
     peft_config = None if demo else get_peft_config(model_args)
     if demo:
         policy, tokenizer, train_dataset, eval_dataset = demo_model_and_data(args)
-        value_path, reward_model, reward_funcs = policy, None, [target_fraction(script_args.target_word)]
+        value_path, reward_model, reward_funcs = policy, None, [target_fraction(demo_args.target_word)]
     else:
         policy = model_args.model_name_or_path or args.sft_model_path
         tokenizer = AutoTokenizer.from_pretrained(policy, padding_side="left")
@@ -89,12 +90,8 @@ def main():
     scores = [log["objective/scores"] for log in trainer.state.log_history if "objective/scores" in log]
     if trainer.accelerator.is_main_process and scores:
         print(f"score at start: {scores[0]:.3f}   score at end: {scores[-1]:.3f}   ({len(scores)} logs)")
-        history = [
-            {**log, "reward": log["objective/scores"]}
-            for log in trainer.state.log_history
-            if "objective/scores" in log
-        ]
-        save_reward_curve(history, os.path.join(args.output_dir, "reward_curve.png"), "PPO training score")
+        plot(trainer.state.log_history, ("objective/scores",), os.path.join(args.output_dir, "reward_curve.png"),
+             "PPO training score")  # fmt: skip
         print(f"policy, tokenizer, model card and reward curve saved to {args.output_dir}")
     if args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
