@@ -8,7 +8,7 @@ model, tokenizer, model card and rewards.png.
 
     accelerate launch examples/dpo.py
 
-With arguments it is a TRL-style script (script args + DPOConfig + ModelConfig, or a YAML file via --config):
+With arguments it is TRL's dpo script (`trl dpo`: its flags and YAML keys) with DPOTrainer:
 
     accelerate launch examples/dpo.py \\
         --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name trl-lib/ultrafeedback_binarized \\

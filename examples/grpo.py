@@ -7,7 +7,7 @@ fraction of the word "a" in the completion. It saves the model, tokenizer, model
 
     accelerate launch examples/grpo.py
 
-With arguments it is a TRL-style script (script args + GRPOConfig + ModelConfig, or a YAML file via --config):
+With arguments it is TRL's grpo script (`trl grpo`: its flags and YAML keys) with GRPOTrainer:
 
     accelerate launch examples/grpo.py \\
         --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name trl-lib/tldr \\

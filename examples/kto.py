@@ -8,7 +8,7 @@ rejected ones n-z) and unpaired into desirable and undesirable rows, and held-ou
 
     accelerate launch examples/kto.py
 
-With arguments it is a TRL-style script (script args + KTOConfig + ModelConfig, or a YAML file via --config):
+With arguments it is TRL's kto script (`trl kto`: its flags and YAML keys) with KTOTrainer:
 
     accelerate launch examples/kto.py \\
         --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name trl-lib/kto-mix-14k \\

@@ -7,7 +7,7 @@ fraction of the word "a" in the completion. It saves the model, tokenizer, model
 
     accelerate launch examples/rloo.py
 
-With arguments it is a TRL-style script (script args + RLOOConfig + ModelConfig, or a YAML file via --config):
+With arguments it is TRL's rloo script (`trl rloo`: its flags and YAML keys, e.g. `reward_funcs`) with RLOOTrainer:
 
     accelerate launch examples/rloo.py \\
         --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name trl-lib/tldr \\
