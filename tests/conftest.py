@@ -65,6 +65,28 @@ def llama_model(tokenizer):
     return build_causal_lm(tokenizer, "llama")
 
 
+class Engines(list):
+    """The engines the trainers of a test build; `options`: SnapshotEngine's keywords for the next ones."""
+
+    options: dict = {}
+
+
+@pytest.fixture
+def engines(monkeypatch, tokenizer):
+    """Every vLLM engine a trainer builds in this test is a `tests.helpers.SnapshotEngine` (a stand-in server)."""
+    from tests.helpers import SnapshotEngine
+    from trl_unified.generation.vllm_engine import VLLMEngine
+
+    made = Engines()
+
+    def build(args, model, accelerator):
+        made.append(SnapshotEngine(args, tokenizer, **made.options))
+        return made[-1]
+
+    monkeypatch.setattr(VLLMEngine, "from_args", staticmethod(build))
+    return made
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests that launch several processes (the `distributed` marker, and the command-line tests that launch with
     accelerate) share one xdist worker, so that at most one multi-process launch runs at a time on the 2 cores."""

@@ -1,8 +1,13 @@
 """Small builders shared by the tests."""
 
+import copy
+import time
+
 from datasets import Dataset
 
 from trl_unified import GRPOConfig, RLOOConfig
+from trl_unified.generation import generate_batched
+from trl_unified.generation.vllm_engine import VLLMEngine
 
 
 PROMPTS = ["a b c", "d e", "f g h i", "j k", "l", "m n o", "p q", "r s t u"]
@@ -54,3 +59,28 @@ def varied_reward(completions, **kwargs):
     """A reward with spread on random completions (so advantages are non-zero from the first step)."""
     texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
     return [sum(ord(w[0]) % 7 for w in t.split()) / (7 * max(1, len(t.split()))) for t in texts]
+
+
+class SnapshotEngine(VLLMEngine):
+    """vLLM's place in server mode: the weights copied at each sync sample (the lean decode loop), after `delay`
+    seconds; `fail_at`: the request (1-based) that raises."""
+
+    mode = "server"
+
+    def __init__(self, args, tokenizer, delay=0.0, fail_at=None):
+        super().__init__(args)
+        self.tokenizer, self.delay, self.fail_at, self.requests, self.model = tokenizer, delay, fail_at, 0, None
+
+    def sync_weights(self, model, accelerator):
+        self.model = copy.deepcopy(accelerator.unwrap_model(model)).eval()
+
+    def generate(self, prompt_ids, generation_config, eos_token_ids):
+        with self.lock:
+            self.requests += 1
+            if self.requests == self.fail_at:
+                raise ConnectionError("the stand-in server went away")
+            time.sleep(self.delay)
+            out = generate_batched(self.model, self.tokenizer, prompt_ids, generation_config,
+                                   eos_token_ids=eos_token_ids, return_logprobs=True)  # fmt: skip
+        rows = list(zip(out.completion_ids, out.logprobs, out.completion_mask))
+        return [ids[m.bool()] for ids, _, m in rows], [lp[m.bool()] for _, lp, m in rows]

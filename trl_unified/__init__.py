@@ -24,6 +24,7 @@ from .online.sampler import RepeatSampler
 from .online.trainer import OnlineTrainer
 from .preference.data import PairedBatch, PairedCollator, SequenceBatch, UnpairedBatch, UnpairedCollator
 from .preference.trainer import PreferenceConfig, PreferenceTrainer
+from .trainers.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from .trainers.distillation import DistillationConfig, DistillationTrainer
 from .trainers.dpo import DPOConfig, DPOTrainer
 from .trainers.grm import GRMConfig, GRMTrainer
@@ -34,6 +35,8 @@ from .trainers.rloo import RLOOConfig, RLOOTrainer, rloo_advantages
 
 
 __all__ = [
+    "AsyncGRPOConfig",
+    "AsyncGRPOTrainer",
     "AnswerAccuracy",
     "DPOConfig",
     "DPOTrainer",

@@ -13,7 +13,8 @@ from transformers import GenerationConfig
 from tests.helpers import grpo_args, prompt_dataset, rloo_args, varied_reward
 from trl_unified import GRPOTrainer
 from trl_unified.generation import generate_batched
-from trl_unified.generation.vllm_engine import VLLMEngine, VLLMServerEngine, group_runs, sampling_settings
+from trl_unified.generation.vllm_engine import VLLMEngine, group_runs, sampling_settings
+from trl_unified.generation.vllm_server import VLLMServerEngine
 from trl_unified.online.importance_sampling import importance_sampling_ratio, mismatch_metrics
 from trl_unified.testing import build_causal_lm
 
@@ -225,12 +226,12 @@ def test_vespo_needs_a_token_level_correction_and_unknown_generation_kwargs_are_
     grpo_args(
         tmp_path, use_vllm=True, vllm_mode="server", loss_type="vespo", vllm_importance_sampling_mode="token_mask"
     )
-    from trl_unified.generation.vllm_engine import _engine_generation_kwargs
+    from trl_unified.generation.vllm_engine import engine_generation_kwargs
 
     args = grpo_args(tmp_path, generation_kwargs={"stop": ["</answer>"], "seed": 3, "no_repeat_ngram_size": 2})
-    assert _engine_generation_kwargs(args) == {"stop": ["</answer>"], "seed": 3}  # the last is GenerationConfig's
+    assert engine_generation_kwargs(args) == {"stop": ["</answer>"], "seed": 3}  # the last is GenerationConfig's
     with pytest.raises(ValueError, match=r"generation_kwargs \['frobnicate'\] are neither vLLM sampling parameters"):
-        _engine_generation_kwargs(grpo_args(tmp_path, generation_kwargs={"frobnicate": 1}))
+        engine_generation_kwargs(grpo_args(tmp_path, generation_kwargs={"frobnicate": 1}))
 
 
 def test_the_correction_applies_to_grpo_with_vllm_only(tokenizer, tmp_path, monkeypatch):

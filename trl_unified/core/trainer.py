@@ -120,6 +120,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         check_dataset_types(train_dataset, eval_dataset)
         configure_iterable_loading(args, train_dataset, eval_dataset)
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._metric_reductions: dict[str, str] = {}  # metric name -> "max" / "min" / "sum" (default: the mean)
         self._pending_eval_metrics = {}
         self.generative_metrics = list(generative_metrics or [])
         super().__init__(
@@ -411,25 +412,27 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         """`"train"` or `"eval"`: the policy's mode, which decides where metrics go and what a rollout computes."""
         return "train" if self.model.training else "eval"
 
-    def log_metric(self, name: str, value: float) -> None:
-        """Record a metric for the current mode; `log()` averages it over the logging window and processes."""
+    def log_metric(self, name: str, value: float, reduce: str = "mean") -> None:
+        """Record a metric for the current mode; `log()` reduces it over the logging window and processes: its mean,
+        or with `reduce` its `"max"`, `"min"` or `"sum"` (e.g. a count: TRL's `*_total` metrics)."""
         self._metrics[self.mode][name].append(float(value))
+        if reduce != "mean":
+            self._metric_reductions[name] = reduce
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = self.mode
         local = {k: [v for v in vals if not math.isnan(v)] for k, vals in self._metrics[mode].items()}
-        local = {k: (sum(v), len(v)) for k, v in local.items()}
-        merged: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        merged: dict[str, list[float]] = defaultdict(list)
         for process_metrics in gather_object([local]) if self.accelerator.num_processes > 1 else [local]:
-            for key, (total, count) in process_metrics.items():
-                merged[key][0] += total
-                merged[key][1] += count
+            for key, values in process_metrics.items():
+                merged[key].extend(values)
         prefix = "eval_" if mode == "eval" else ""
-        for key, (total, count) in sorted(merged.items()):
+        for key, values in sorted(merged.items()):
             if key == "num_tokens":  # a running total, not an average: report the latest
                 logs[f"{prefix}{key}"] = float(self.state.num_input_tokens_seen)
             else:
-                logs[f"{prefix}{key}"] = total / count if count else None
+                reduce = {"max": max, "min": min, "sum": sum}.get(self._metric_reductions.get(key))
+                logs[f"{prefix}{key}"] = (reduce(values) if reduce else sum(values) / len(values)) if values else None
         self._metrics[mode].clear()
         super().log(logs, start_time)
 

@@ -6,12 +6,9 @@
   config alone with placeholder weights (`load_format="dummy"`; so in-memory, PEFT and resized models work, and no
   copy of the model is written), and engines with the same settings are reused within a process: the first
   generation of each trainer syncs its weights.
-- **server** (`vllm_mode="server"`): a separately started OpenAI-compatible vLLM server (`vllm serve MODEL` or
-  `python -m vllm.entrypoints.openai.api_server`) with `VLLM_SERVER_DEV_MODE=1`. Each process sends its own prompts
-  (no collective), one `/v1/completions` request per group size: token ids in, token ids and log-probs out. The
-  main process syncs the weights as a safetensors folder the server reads (`reload_weights` through
-  `/collective_rpc`), so the server must see the trainer's `output_dir` (same machine or a shared file system). No
-  NCCL, so it also runs on CPU. The trainer process does not need vLLM installed in this mode.
+- **server** (`vllm_mode="server"`): a separately started OpenAI-compatible vLLM server with `VLLM_SERVER_DEV_MODE=1`,
+  reached over HTTP (`generation/vllm_server.py`: requests, weight reloads, riding through a restart). The trainer
+  process does not need vLLM installed in this mode.
 
 Prompts of a group (the G rows that repeat one prompt) are sent once with `n=G`. Log-probs are the sampled tokens'
 after temperature (`logprobs_mode="processed_logprobs"`, as TRL asks for), read by the importance-sampling correction
@@ -27,9 +24,8 @@ import logging
 import os
 import socket
 import tempfile
+import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -178,21 +174,36 @@ class VLLMEngine:
         self.structured_outputs_regex = structured_outputs_regex
         self.generation_kwargs = dict(generation_kwargs or {})
         self.synced = None  # (owner, version) of the weights the engine holds
+        # Held while this process generates and while the weights are replaced: a reload never overlaps a request
+        # (asynchronous rollouts generate in a producer thread).
+        self.lock = threading.RLock()
 
     @staticmethod
     def from_args(args, model, accelerator) -> "VLLMEngine":
         check_vllm_settings(args, model, accelerator)
         if args.vllm_mode == "server":
+            from .vllm_server import VLLMServerEngine
+
             return VLLMServerEngine(args, accelerator)
         return VLLMColocateEngine(args, model, accelerator)
 
-    def ensure_synced(self, model, accelerator, owner, version) -> None:
-        """Sync the policy's weights unless the engine already holds this `(owner, version)` of them."""
-        if self.synced != (id(owner), version):
-            start = time.perf_counter()
+    @property
+    def version(self) -> int | None:
+        """The optimiser step (`state.global_step`) of the weights the engine holds; None before the first sync."""
+        return self.synced[1] if self.synced is not None else None
+
+    def ensure_synced(self, model, accelerator, owner, version) -> float:
+        """Sync the policy's weights unless the engine already holds this `(owner, version)` of them; the seconds
+        it took (0.0 when already synced)."""
+        if self.synced == (id(owner), version):
+            return 0.0
+        start = time.perf_counter()
+        with self.lock:
+            self.synced = None  # until the new weights are in: a failed sync leaves the engine marked unsynced
             self.sync_weights(model, accelerator)
             self.synced = (id(owner), version)
-            logger.debug(f"vLLM weights synced in {time.perf_counter() - start:.2f}s")
+        logger.debug(f"vLLM weights synced in {time.perf_counter() - start:.2f}s")
+        return time.perf_counter() - start
 
     def sampling_settings(self, generation_config, eos_token_ids) -> dict[str, Any]:
         settings = sampling_settings(generation_config, eos_token_ids)
@@ -222,6 +233,12 @@ def check_vllm_config(args) -> None:
             "(`trl vllm-serve`); trl_unified's server mode syncs weights through the server's /collective_rpc and "
             "needs no such port. Leave it at its default (51216)."
         )
+    if args.vllm_weight_transfer not in ("checkpoint", "nccl"):
+        raise ValueError(f"vllm_weight_transfer={args.vllm_weight_transfer!r} must be 'checkpoint' or 'nccl'.")
+    if args.vllm_weight_transfer == "nccl":
+        if args.vllm_mode != "server" or not torch.cuda.is_available():
+            raise ValueError("vllm_weight_transfer='nccl' needs vllm_mode='server' and a CUDA device (NCCL).")
+        require_vllm("vllm_weight_transfer='nccl' (the trainer joins vLLM's NCCL group)")
     if args.vllm_mode == "colocate":
         require_vllm()
         if args.vllm_tensor_parallel_size < 1:
@@ -270,7 +287,7 @@ class VLLMColocateEngine(VLLMEngine):
     mode = "colocate"
 
     def __init__(self, args, model, accelerator):
-        super().__init__(args, args.vllm_structured_outputs_regex, _engine_generation_kwargs(args))
+        super().__init__(args, args.vllm_structured_outputs_regex, engine_generation_kwargs(args))
         unwrapped = accelerator.unwrap_model(model)
         unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
         base = base_model(unwrapped)
@@ -384,7 +401,7 @@ _VLLM_SAMPLING_KEYS = {
 }  # fmt: skip
 
 
-def _engine_generation_kwargs(args) -> dict:
+def engine_generation_kwargs(args) -> dict:
     """`generation_kwargs` entries vLLM's sampling parameters know; any other key must be a `GenerationConfig`
     attribute (applied to the config the settings are read from), else it is named in an error."""
     kwargs = dict(args.generation_kwargs or {})
@@ -397,7 +414,7 @@ def _engine_generation_kwargs(args) -> dict:
     return {k: v for k, v in kwargs.items() if k in _VLLM_SAMPLING_KEYS - {"n", "logprobs"}}
 
 
-def _write_checkpoint(folder, config, weights, write: bool) -> None:
+def write_checkpoint(folder, config, weights, write: bool) -> None:
     """`config.json` and `model.safetensors` (the named weights) in `folder`. The weights are iterated on every
     process (gathering may be collective); `write` says whether this process writes them."""
     from safetensors.torch import save_file
@@ -418,125 +435,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class VLLMServerEngine(VLLMEngine):
-    """A running OpenAI-compatible vLLM server, reached at `vllm_server_base_url` or `http://host:port`."""
-
-    mode = "server"
-
-    def __init__(self, args, accelerator):
-        super().__init__(args, args.vllm_structured_outputs_regex, _engine_generation_kwargs(args))
-        self.accelerator = accelerator
-        self.base_url = (
-            args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        ).rstrip("/")
-        self.weights_dir = os.path.join(os.path.abspath(args.output_dir), "vllm-weights")
-        self._wait_until_up(args.vllm_server_timeout)
-        self.served_model = self._request("GET", "/v1/models")["data"][0]["id"]
-        if accelerator.is_main_process:
-            self._check_logprobs_mode()
-
-    def _check_logprobs_mode(self) -> None:
-        """TRL's warning: log-probs before temperature (vLLM's default) bias the importance-sampling correction."""
-        try:
-            info = self._request("GET", "/server_info?config_format=json", timeout=10)
-            mode = str(info["vllm_config"]["model_config"]["logprobs_mode"])
-        except Exception:  # an older server without /server_info: nothing to check
-            return
-        if "processed_logprobs" not in mode:
-            logger.warning(
-                f"The vLLM server returns {mode} log-probs; start it with `--logprobs-mode processed_logprobs` so "
-                "that they are taken after temperature, as the trainer's (the importance-sampling correction reads "
-                "them)."
-            )
-
-    def _wait_until_up(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            if time.monotonic() >= deadline:
-                raise ConnectionError(
-                    f"The vLLM server at {self.base_url} did not answer /health within vllm_server_timeout="
-                    f"{timeout}s. Start it first, e.g. `VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --port "
-                    f"{self.args.vllm_server_port} --logprobs-mode processed_logprobs` (docs/vllm.md)."
-                )
-            time.sleep(1.0)
-
-    def _request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(
-            self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=timeout or self.args.vllm_server_timeout) as response:
-                text = response.read().decode()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:500]
-            hint = ""
-            if e.code == 404 and path in ("/collective_rpc", "/reset_prefix_cache"):
-                hint = " Start the server with VLLM_SERVER_DEV_MODE=1: weight sync needs its /collective_rpc endpoint."
-            raise RuntimeError(f"vLLM server {method} {path} failed with HTTP {e.code}: {detail}.{hint}") from e
-        return json.loads(text) if text else None
-
-    def sync_weights(self, model, accelerator) -> None:
-        config = (accelerator.unwrap_model(model) if accelerator is not None else model).config
-        config = getattr(base_model(model), "config", config)
-        _write_checkpoint(self.weights_dir, config, named_weights(model, accelerator), accelerator.is_main_process)
-        if accelerator.is_main_process:
-            self._request(
-                "POST",
-                "/collective_rpc",
-                {
-                    "method": "reload_weights",
-                    "kwargs": {"weights_path": self.weights_dir, "is_checkpoint_format": True},
-                },
-            )
-            self._request("POST", "/reset_prefix_cache")
-        accelerator.wait_for_everyone()
-
-    def generate(self, prompt_ids, generation_config, eos_token_ids):
-        """Each process sends its own prompts (the server batches concurrent requests): no collective, so processes
-        may hold different numbers of prompts (evaluation shards, the tool loop's remaining rows)."""
-        if not prompt_ids:
-            return [], []
-        completions, logprobs = self._complete([list(p) for p in prompt_ids], generation_config, eos_token_ids)
-        return (
-            [torch.tensor(c, dtype=torch.long) for c in completions],
-            [torch.tensor(lp, dtype=torch.float32) for lp in logprobs],
-        )
-
-    def _complete(self, prompt_ids, generation_config, eos_token_ids):
-        settings = self.sampling_settings(generation_config, eos_token_ids)
-        if self.structured_outputs_regex is not None:
-            settings["structured_outputs"] = {"regex": self.structured_outputs_regex}
-        completions, logprobs = [], []
-        # one request per group size (n is per request); a group is sent once with n = its size
-        runs = group_runs(prompt_ids)
-        start = 0
-        while start < len(runs):
-            end = start
-            while end < len(runs) and runs[end][1] == runs[start][1]:
-                end += 1
-            body = {
-                "model": self.served_model,
-                "prompt": [ids for ids, _ in runs[start:end]],
-                "n": runs[start][1],
-                "return_token_ids": True,
-                "skip_special_tokens": False,
-                **settings,
-            }
-            response = self._request("POST", "/v1/completions", body)
-            choices = sorted(response["choices"], key=lambda c: c["index"])
-            for choice in choices:
-                ids = list(choice["token_ids"])
-                completions.append(ids)
-                values = (choice.get("logprobs") or {}).get("token_logprobs") or [None] * len(ids)
-                logprobs.append([float("nan") if v is None else float(v) for v in values[: len(ids)]])
-            start = end
-        return completions, logprobs

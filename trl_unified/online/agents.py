@@ -94,19 +94,21 @@ class Environments:
             for method in methods:
                 check_tool(method, f"{type(instance).__name__}.")
             self.tools[name] = list(standalone_tools) + methods
-            self.pool[name] = [instance]
+            self.pool[name] = [instance]  # every instance made (TRL's `_environment_pool`)
             if callable(getattr(type(instance), "get_reward", None)) and type(instance) not in reward_types:
                 reward_types.append(type(instance))
                 self.reward_funcs.append((type(instance).__name__, _environment_reward(type(instance))))
-        self.instances: list | None = None  # this batch's, one per row
+        self.free = {name: list(pool) for name, pool in self.pool.items()}  # instances no round holds
+        self.instances: list | None = None  # the last batch's, one per row
         self.names: list | None = None
 
     def all_methods(self) -> list[Callable]:
         """Every environment's tools (for the checks made once, e.g. whether any tool exists)."""
         return [tool for tools in self.tools.values() for tool in tools]
 
-    def assign(self, rows: list[dict[str, Any]]) -> None:
-        """One instance per row, from the pool (grown to this batch's need), in row order."""
+    def assign(self, rows: list[dict[str, Any]]) -> list:
+        """One instance per row, in row order, taken from the pool's free instances (new ones made as needed) until
+        `release`: rounds sampled ahead of training (asynchronous rollouts) never share an instance."""
         names = [row.get("environment") if self.multi else None for row in rows]
         for name in names:
             if name not in self.factories:
@@ -114,21 +116,26 @@ class Environments:
                     f"Example has `environment={name!r}`, which is not among the environments passed to "
                     f"`environment_factory`. Expected one of: {list(self.factories)}."
                 )
-        cursor: dict[Any, int] = {}
         instances = []
         for name in names:
-            pool, index = self.pool[name], cursor.get(name, 0)
-            if index == len(pool):
-                pool.append(self.factories[name]())
-            cursor[name] = index + 1
-            instances.append(pool[index])
+            if not self.free[name]:
+                self.pool[name].append(self.factories[name]())
+                self.free[name].append(self.pool[name][-1])
+            instances.append(self.free[name].pop(0))
         self.names, self.instances = names, instances
+        return instances
 
-    def reset(self, rows: list[dict[str, Any]], prompts: list) -> list:
+    def release(self, instances: list) -> None:
+        """Return a round's instances to the pool, first in line again (a synchronous run reuses the same ones)."""
+        for name in self.factories:
+            own = {id(instance) for instance in self.pool[name]}
+            self.free[name] = [i for i in instances if id(i) in own] + self.free[name]
+
+    def reset(self, rows: list[dict[str, Any]], prompts: list, instances: list) -> list:
         """`reset(**row)` on each row's instance (without the routing `environment` column in dict mode); a returned
         observation is appended to the last message of the row's prompt (a new list; the row is not changed)."""
         out = []
-        for prompt, instance, row in zip(prompts, self.instances, rows, strict=True):
+        for prompt, instance, row in zip(prompts, instances, rows, strict=True):
             kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi else row
             observation = instance.reset(**kwargs)
             if observation is not None:
@@ -141,9 +148,9 @@ class Environments:
             out.append(prompt)
         return out
 
-    def row_tools(self) -> list[list[Callable]]:
+    def row_tools(self, instances: list) -> list[list[Callable]]:
         """Each row's tools, bound to the row's own instance."""
-        return [self.standalone_tools + environment_methods(instance) for instance in self.instances]
+        return [self.standalone_tools + environment_methods(instance) for instance in instances]
 
 
 def _environment_reward(env_type: type) -> Callable:

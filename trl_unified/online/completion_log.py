@@ -101,13 +101,14 @@ def sample_generations(trainer, sampling: bool = False) -> list[dict]:
     rows = list(trainer.eval_dataset)
     rows = rows[: trainer.args.per_device_eval_batch_size] if sampling else rows
     rows = rows[trainer.accelerator.process_index :: trainer.accelerator.num_processes]
-    prompts, _ = trainer._rollout_prompts(rows)
+    prompts, _, environments = trainer._rollout_prompts(rows)
     temperature, trainer.args.temperature = trainer.args.temperature, 0.01
     try:
         out = trainer.generate(prompts)
     finally:
         trainer.args.temperature = temperature
-    scores = trainer.rewards.combine(trainer._score(rows, prompts, out.texts, out)).tolist()
+    scores = trainer.rewards.combine(trainer._score(rows, prompts, out.texts, out, environments)).tolist()
+    trainer._release_environments(environments)
     pairs = zip(gather_object(prompts), gather_object(out.texts), scores, strict=True)
     table = [{"query": query, "model response": text, "score": score} for query, text, score in pairs]
     if trainer.accelerator.is_main_process:

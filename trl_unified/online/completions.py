@@ -34,16 +34,18 @@ class CompletionsMixin:
         `eval_do_sample`, the answer read from the last assistant turn."""
         if not rows or not (self.tools or self._env is not None):
             return super().generate_eval_texts(rows, prompts)
-        prompts, _ = self._rollout_prompts(rows)
-        sampled = self._generate(
-            prompts, do_sample=self.args.eval_do_sample, max_new_tokens=self.args.eval_max_new_tokens
-        )
+        prompts, _, environments = self._rollout_prompts(rows)
+        sampled = self._generate(prompts, None, self.args.eval_do_sample, self.args.eval_max_new_tokens, environments)
+        self._release_environments(environments)
         return [c[-1].get("content", "") if isinstance(c, list) else c for c in sampled.completions]
 
-    def _generate(self, prompts: list, images=None, do_sample=True, max_new_tokens=None) -> "SampledCompletions":
+    def _generate(
+        self, prompts: list, images=None, do_sample=True, max_new_tokens=None, environments=None
+    ) -> "SampledCompletions":
         """The completions of `prompts` (one per prompt; the sampler already repeats each num_generations times):
-        from `rollout_func` when given, else the policy's generation; then, with tools, the multi-turn tool loop."""
-        prompts = copy.deepcopy(prompts)
+        from `rollout_func` when given, else the policy's generation; then, with tools, the multi-turn tool loop
+        (each row's tools bound to its environment instance in `environments`)."""
+        prompts, row_tools = copy.deepcopy(prompts), self._row_tools(len(prompts), environments)
         sampling = dict(do_sample=do_sample, max_new_tokens=max_new_tokens)
         extra_fields: dict[str, Any] = {}
         if self.rollout_func is not None:
@@ -51,7 +53,7 @@ class CompletionsMixin:
         elif self.tools:
             if images is not None:
                 raise NotImplementedError("Tools with image rows are not implemented; drop the images or the tools.")
-            prompt_ids = self._tokenize_with_tools(prompts)
+            prompt_ids = self._tokenize_with_tools(prompts, row_tools)
             completion_ids = self.generate(prompt_ids, **sampling).completion_ids_list
         else:
             policy = self.vllm_engine is None  # vLLM's log-probs: compared with π_old by a sampling correction
@@ -61,7 +63,7 @@ class CompletionsMixin:
             conversational = is_conversational({"prompt": prompts[0]})
             completions = [[{"role": "assistant", "content": t}] for t in out.texts] if conversational else out.texts
             return SampledCompletions(out, completions, {}, logprobs_are_policy=policy)
-        completions = self._parse_completions(prompts, prompt_ids, completion_ids)
+        completions = self._parse_completions(prompts, prompt_ids, completion_ids, row_tools)
         tool_mask, calls, failures = extra_fields.pop("env_mask", None) if not self.tools else None, 0, 0
         if self.tools:
             loop = ToolLoop(
@@ -77,7 +79,7 @@ class CompletionsMixin:
                 self._event_loop,
             )
             completion_ids, tool_mask, completions, calls, failures = loop.run(
-                prompt_ids, completion_ids, completions, self._row_tools(len(prompts))
+                prompt_ids, completion_ids, completions, row_tools
             )
         out = GenerationOutput.from_token_lists(
             prompt_ids,
@@ -107,10 +109,12 @@ class CompletionsMixin:
         extra = {k: v for k, v in output.items() if k not in ("prompt_ids", "completion_ids", "logprobs")}
         return [list(p) for p in output["prompt_ids"]], [list(c) for c in output["completion_ids"]], extra
 
-    def _row_tools(self, n: int) -> list[list]:
-        return self._env.row_tools() if self._env is not None else [self.tools] * n
+    def _row_tools(self, n: int, environments=None) -> list[list]:
+        if self._env is None:
+            return [self.tools] * n
+        return self._env.row_tools(environments if environments is not None else self._env.instances)
 
-    def _tokenize_with_tools(self, prompts) -> list[list[int]]:
+    def _tokenize_with_tools(self, prompts, row_tools) -> list[list[int]]:
         """Each prompt rendered with its row's tools (and the training chat template, when one is needed)."""
         if not is_conversational({"prompt": prompts[0]}):
             raise ValueError(
@@ -130,10 +134,10 @@ class CompletionsMixin:
                     **template_kwargs,
                 )["input_ids"][0]
             )
-            for prompt, tools in zip(prompts, self._row_tools(len(prompts)), strict=True)
+            for prompt, tools in zip(prompts, row_tools, strict=True)
         ]
 
-    def _parse_completions(self, prompts, prompt_ids, completion_ids) -> list:
+    def _parse_completions(self, prompts, prompt_ids, completion_ids, row_tools) -> list:
         """Conversational rows: a list of messages per row (tool calls parsed when the tokenizer has a response
         parser); plain rows: the decoded text."""
         tokenizer = get_tokenizer(self.processing_class)
@@ -145,10 +149,9 @@ class CompletionsMixin:
         ):
             texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
             return [[{"role": "assistant", "content": text}] for text in texts]
-        tools = self._row_tools(len(prompts))
         return [
-            [parse_turn(self.processing_class, ids, prefix, row_tools)]
-            for ids, prefix, row_tools in zip(completion_ids, prompt_ids, tools, strict=True)
+            [parse_turn(self.processing_class, ids, prefix, tools)]
+            for ids, prefix, tools in zip(completion_ids, prompt_ids, row_tools, strict=True)
         ]
 
 

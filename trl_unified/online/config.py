@@ -17,7 +17,8 @@ logger = logging.getLogger(__name__)
 _VLLM_FIELDS = (
     "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
     "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
-    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
+    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size", "vllm_weight_transfer",
+    "request_timeout", "weight_sync_timeout", "max_inflight_tasks",
 )  # fmt: skip
 
 
@@ -121,6 +122,28 @@ class OnlineConfig(PolicyConfig):
         "Most tool-calling rounds per completion (with `tools` / `environment_factory`); None: until a turn has no "
         "tool call or max_completion_length is spent.",
     )
+    vllm_weight_transfer: str = option(
+        "checkpoint", "Server mode: how weights reach the server: 'checkpoint' (a safetensors folder the server "
+        "reloads, any device) or 'nccl' (vLLM's NCCL weight-transfer engine, CUDA)."
+    )  # fmt: skip
+    request_timeout: int = option(600, "Server mode: seconds a generation request may take.")
+    weight_sync_timeout: int = option(1800, "Server mode: seconds a weight sync may take.")
+    max_inflight_tasks: int = option(
+        -1, "Server mode: most completions requested at once (a round is split into requests of at most this "
+        "many); -1: a round per request."
+    )  # fmt: skip
+    # Asynchronous rollouts (online/async_rollouts.py, docs/async.md): trl_unified's addition to TRL's RLOO / GRPO /
+    # PPO / distillation configs; AsyncGRPOConfig turns them on with TRL 1.16's defaults.
+    async_rollouts: bool = option(
+        False, "trl_unified only. Sample ahead of training in a producer thread (vLLM server mode), on weights at "
+        "most max_staleness optimiser steps old; max_staleness=0 is synchronous training (docs/async.md)."
+    )  # fmt: skip
+    max_staleness: int = option(1, "Async: most optimiser steps between the weights that sampled and training.")
+    weight_sync_steps: int = option(1, "Async: optimiser steps between weight syncs (sooner when staleness needs).")
+    queue_maxsize: int = option(1024, "Async: most completions sampled and waiting to be trained on.")
+    heartbeat_stale_after_s: float = option(
+        300.0, "Async: seconds without progress after which a producer waited for is reported as hung."
+    )
 
     def __post_init__(self):
         if isinstance(self.transformers_continuous_batching_config, str):
@@ -135,6 +158,7 @@ class OnlineConfig(PolicyConfig):
             self.use_transformers_continuous_batching = True
         super().__post_init__()
         self._check_vllm_fields()
+        self._check_async_rollouts()
         self._check_batch_layout()
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations={self.num_iterations} must be >= 1.")
@@ -167,6 +191,19 @@ class OnlineConfig(PolicyConfig):
             logger.warning(
                 f"{', '.join(changed)} only apply to vLLM generation (use_vllm=True), which is off: ignored."
             )
+
+    def _check_async_rollouts(self):
+        if not self.async_rollouts:
+            return
+        if not (self.use_vllm and self.vllm_mode == "server"):
+            raise ValueError(
+                "async_rollouts=True needs a generation engine that runs beside training: use_vllm=True with "
+                "vllm_mode='server' (a vLLM server). Colocated vLLM and the in-process decode loop share the "
+                "trainer's devices and cores, so sampling ahead would only take turns with training."
+            )
+        for name, low in (("max_staleness", 0), ("weight_sync_steps", 1), ("queue_maxsize", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= {low}.")
 
     def _check_batch_layout(self):
         if self.auto_find_batch_size:

@@ -32,6 +32,7 @@ from ..generation import GenerationOutput
 from ..generation.vllm_engine import VLLMEngine
 from ..models.loading import cast_lm_head_to_fp32, get_tokenizer
 from .agents import EMPTY_PROMPT, Environments, check_tool, check_tool_support, prepare_tool_template
+from .async_rollouts import AsyncRollouts
 from .completion_log import CompletionLog
 from .completions import CompletionsMixin, row_value
 from .config import OnlineConfig
@@ -128,6 +129,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         )
         self.plan = self.rollout_plan()
         self._step, self._buffer, self._rollout, self._step_time = 0, None, None, 0.0
+        self._producer = None  # asynchronous rollouts: this epoch's producer (online/async_rollouts.py)
         self.completion_log = CompletionLog(self.args.generation_batch_size)
         # Each process samples different completions, reproducibly (the samplers have their own seeded generator).
         set_seed(self.args.seed, device_specific=True)
@@ -259,9 +261,10 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
 
     def _synced_vllm_engine(self) -> VLLMEngine | None:
         """The vLLM engine holding this trainer's current weights: synced once per optimiser step (a generation
-        round, its evaluation and its tool-loop turns share one sync), on every process at once."""
-        if self.vllm_engine is None:
-            return None
+        round, its evaluation and its tool-loop turns share one sync), on every process at once. The producer of
+        asynchronous rollouts never syncs: it samples on the weights the engine holds (`sync_for_round`)."""
+        if self.vllm_engine is None or (self._producer is not None and self._producer.in_producer()):
+            return self.vllm_engine
         self.vllm_engine.ensure_synced(
             self.model_wrapped or self.model, self.accelerator, self, self.state.global_step
         )
@@ -322,13 +325,62 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
             return self.rollout(inputs)
         steps = self.args.steps_per_generation
         if self._step % (steps * self.args.num_iterations) == 0 or self._buffer is None:
-            self._rollout = self.rollout(inputs)
+            prefetched = getattr(inputs, "samples", None)  # sampled ahead (asynchronous rollouts)
+            self._rollout = self.finish(self._fresh(inputs)) if prefetched is not None else self.rollout(inputs)
             self._buffer = self._rollout.shuffled().split(steps)
         elif self._step % steps == 0 and self.reshuffle_each_iteration:
             self._buffer = self._rollout.shuffled().split(steps)  # a new order of micro-batches for this pass
         micro_batch = self._buffer[self._step % steps]
         self._step += 1
         return micro_batch
+
+    # ------------------------------------------------------------------ asynchronous rollouts (async_rollouts.py)
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """With `async_rollouts`, the epoch's batches come through the rollout producer, which samples ahead."""
+        if self.args.async_rollouts:
+            if self._producer is None or self._producer.source is not epoch_iterator:
+                self._close_producer()
+                self._producer = AsyncRollouts(self, epoch_iterator)
+            epoch_iterator = self._producer
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def sync_for_round(self, step: int) -> None:
+        """Before training waits for the round it trains on at optimiser `step`: sync the weights when they are
+        `weight_sync_steps` old, or older than the round's staleness gate allows (every process decides alike)."""
+        a, version = self.args, self.vllm_engine.version
+        if version is None or step - version >= min(a.weight_sync_steps, a.max_staleness + 1):
+            seconds = self.vllm_engine.ensure_synced(self.model_wrapped or self.model, self.accelerator, self, step)
+            self.log_metric("perf/weight_sync_s", seconds)
+
+    def _fresh(self, rows) -> Samples:
+        """The round sampled ahead for `rows`, with TRL's async metrics; too stale (the safety net behind the gate):
+        dropped, counted and sampled again on the current weights."""
+        samples, staleness = rows.samples, self.state.global_step - rows.samples.policy_version
+        self.log_metric("sample/staleness_mean", staleness)
+        self.log_metric("sample/staleness_max", staleness, reduce="max")
+        for name, value in (("perf/rollout_wait_s", rows.wait_s), ("rollout/generate_s", rows.sample_s),
+                            ("rollout/backpressure_s", rows.backpressure_s),
+                            ("sample/time_in_queue_s", time.monotonic() - rows.enqueued_at),
+                            ("sample/rollout_queue_size", self._producer.queued_rounds * len(rows))):  # fmt: skip
+            self.log_metric(name, value)
+        dropped = staleness > self.args.max_staleness
+        self.log_metric("sample/dropped_stale_total", float(dropped) * len(rows), reduce="sum")
+        if dropped:
+            self.sync_for_round(self.state.global_step)
+            with self.vllm_engine.lock:
+                samples = self.sample(rows)
+        return samples
+
+    def _close_producer(self) -> None:
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._close_producer()  # no thread outlives train()
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         start = time.perf_counter()
@@ -346,12 +398,12 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         state = {"step": self._step, "buffer": self._buffer, "rollout": self._rollout}
         torch.save(state, os.path.join(folder, f"trl_unified_state_{self.accelerator.process_index}.pt"))
 
-    def _load_rng_state(self, checkpoint):
-        super()._load_rng_state(checkpoint)
-        path = (
-            os.path.join(checkpoint, f"trl_unified_state_{self.accelerator.process_index}.pt") if checkpoint else None
-        )
-        if path and os.path.exists(path):
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """Resuming: the generation buffer and micro-step counter too (before the first batch is read: a producer
+        of asynchronous rollouts starts from them)."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, f"trl_unified_state_{self.accelerator.process_index}.pt") if checkpoint else ""
+        if os.path.exists(path):
             state = torch.load(path, weights_only=False)
             self._step, self._buffer, self._rollout = state["step"], state["buffer"], state.get("rollout")
 
@@ -363,15 +415,15 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
     def sample(self, rows: list[dict[str, Any]]) -> Samples:
         """Stage one: the rows' prompts (after each environment's `reset`) and their completions. No collective
         and no metric: it may run ahead of training, on weights `policy_version` steps old."""
-        prompts, images = self._rollout_prompts(rows)
-        sampled = self._generate(prompts, images)
+        prompts, images, environments = self._rollout_prompts(rows)
+        sampled = self._generate(prompts, images, environments=environments)
         rows = [{**row, **{k: row_value(v, i) for k, v in sampled.extra_fields.items()}} for i, row in enumerate(rows)]
         return Samples(
             rows, prompts, images, sampled.generation, sampled.completions,
-            policy_version=self.state.global_step,
+            policy_version=self.state.global_step if self.vllm_engine is None else self.vllm_engine.version,
             logprobs_are_policy=sampled.logprobs_are_policy,
             tool_calls=sampled.tool_calls, tool_failures=sampled.tool_failures,
-            environments=self._env.instances if self._env is not None else None,
+            environments=environments,
         )  # fmt: skip
 
     def finish(self, samples: Samples) -> RolloutBatch:
@@ -384,6 +436,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         self.rollout_logps(batch, mode)
         self.correct_sampling(batch)
         self.score_rollout(batch, samples, mode)
+        self._release_environments(samples.environments)  # scored: the instances may serve another round
         return batch
 
     def score_rollout(self, batch: RolloutBatch, samples: Samples, mode: str) -> None:
@@ -406,18 +459,25 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         )  # fmt: skip
 
     def _rollout_prompts(self, rows):
-        """This process's prompts (after each environment's `reset` observation) and images."""
+        """This process's prompts (after each environment's `reset` observation), images, and environment instances
+        (one per row, taken from the pool until `_release_environments`; None without environments)."""
+        environments = None
         if self._env is not None:
-            self._env.assign(rows)
-            prompts = self._env.reset(rows, [row.get("prompt", EMPTY_PROMPT) for row in rows])
+            environments = self._env.assign(rows)
+            prompts = self._env.reset(rows, [row.get("prompt", EMPTY_PROMPT) for row in rows], environments)
         else:
             prompts = [row["prompt"] for row in rows]
         images = [get_images(row) for row in rows]
         if all(i is None for i in images):
-            return prompts, None
+            return prompts, None, environments
         if not is_conversational(rows[0]):
             raise ValueError("Rows with images need conversational prompts (lists of messages), not plain strings.")
-        return [prepare_multimodal_messages(p, images=i or []) for p, i in zip(prompts, images, strict=True)], images
+        prompts = [prepare_multimodal_messages(p, images=i or []) for p, i in zip(prompts, images, strict=True)]
+        return prompts, images, environments
+
+    def _release_environments(self, environments) -> None:
+        if environments is not None:
+            self._env.release(environments)
 
     def rollout_logps(self, batch: RolloutBatch, mode: str) -> None:
         """Old (as the plan says, where sampling did not return them) and reference per-token log-probs, no grad,

@@ -1,0 +1,277 @@
+"""vLLM's server mode (`vllm_mode="server"`): a separately started OpenAI-compatible vLLM server, reached over HTTP.
+
+Each process sends its own prompts (no collective), one `/v1/completions` request per group size (a group of G rows
+is one prompt with `n=G`; with `max_inflight_tasks` > 0 a request carries at most that many completions): token ids
+in, token ids and the sampled tokens' log-probs out. Weights reach the server in one of two ways
+(`vllm_weight_transfer`):
+
+- `"checkpoint"` (default, any device): the main process writes the policy as a safetensors folder the server reads
+  (`/collective_rpc` `reload_weights`, so the server runs with `VLLM_SERVER_DEV_MODE=1` and sees the trainer's
+  `output_dir`: same machine or a shared file system);
+- `"nccl"` (CUDA): vLLM's own weight-transfer engine, as TRL 1.16's `AsyncGRPOTrainer` drives it:
+  `/init_weight_transfer_engine` once (the trainer joins an NCCL group as rank 0), then per sync
+  `/start_weight_update`, `/update_weights` (names, dtypes, shapes) while the trainer broadcasts the tensors, and
+  `/finish_weight_update`.
+
+A reload never overlaps a generation request of this process (`VLLMEngine.lock`), and in a multi-process run every
+process holds its lock before the main process reloads. A server that is briefly unreachable is retried with backoff
+for up to `vllm_server_timeout` seconds; once it answers again, the last synced weights are loaded into it before the
+interrupted request is sent again (a restarted server starts from its own checkpoint). Errors name the server, what
+was being done and the last saved checkpoint.
+"""
+
+import json
+import logging
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import torch
+
+from ..models.loading import base_model
+from .vllm_engine import VLLMEngine, engine_generation_kwargs, group_runs, named_weights, write_checkpoint
+
+
+logger = logging.getLogger(__name__)
+
+_UNREACHABLE = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)  # HTTPError (an answer) is handled
+
+
+class VLLMServerEngine(VLLMEngine):
+    """A running OpenAI-compatible vLLM server, reached at `vllm_server_base_url` or `http://host:port`."""
+
+    mode = "server"
+
+    def __init__(self, args, accelerator):
+        super().__init__(args, args.vllm_structured_outputs_regex, engine_generation_kwargs(args))
+        self.accelerator = accelerator
+        self.base_url = (
+            args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        ).rstrip("/")
+        self.weights_dir = os.path.join(os.path.abspath(args.output_dir), "vllm-weights")
+        self.context = lambda: ""  # the trainer's step and last checkpoint, for error messages (set by the trainer)
+        self.transfer = None  # the NCCL weight-transfer group, opened at the first sync (vllm_weight_transfer="nccl")
+        self._wait_until_up(args.vllm_server_timeout, "start-up")
+        self.served_model = self._request("GET", "/v1/models", phase="start-up")["data"][0]["id"]
+        if accelerator.is_main_process:
+            self._check_logprobs_mode()
+
+    def _check_logprobs_mode(self) -> None:
+        """TRL's warning: log-probs before temperature (vLLM's default) bias the importance-sampling correction."""
+        try:
+            info = self._send("GET", "/server_info?config_format=json", None, 10)
+            mode = str(info["vllm_config"]["model_config"]["logprobs_mode"])
+        except Exception:  # an older server without /server_info: nothing to check
+            return
+        if "processed_logprobs" not in mode:
+            logger.warning(
+                f"The vLLM server returns {mode} log-probs; start it with `--logprobs-mode processed_logprobs` so "
+                "that they are taken after temperature, as the trainer's (the importance-sampling correction reads "
+                "them)."
+            )
+
+    # ---------------------------------------------------------------------------------------------------- HTTP
+    def _wait_until_up(self, timeout: float, phase: str) -> None:
+        deadline, delay = time.monotonic() + timeout, 0.5
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except _UNREACHABLE:
+                pass
+            if time.monotonic() >= deadline:
+                hint = (
+                    f" Start it first, e.g. `VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --port "
+                    f"{self.args.vllm_server_port} --logprobs-mode processed_logprobs` (docs/vllm.md)."
+                    if phase == "start-up"
+                    else ""
+                )
+                raise ConnectionError(
+                    f"The vLLM server at {self.base_url} did not answer /health within vllm_server_timeout="
+                    f"{timeout}s ({phase}{self.context()}).{hint}"
+                )
+            time.sleep(delay)
+            delay = min(2 * delay, 5.0)
+
+    def _send(self, method: str, path: str, body: dict | None, timeout: float) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(
+            self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                text = response.read().decode()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:500]
+            hint = ""
+            if e.code == 404 and path.split("?")[0] in ("/collective_rpc", "/reset_prefix_cache"):
+                hint = " Start the server with VLLM_SERVER_DEV_MODE=1: weight sync needs its /collective_rpc endpoint."
+            raise RuntimeError(f"vLLM server {method} {path} failed with HTTP {e.code}: {detail}.{hint}") from e
+        return json.loads(text) if text else None
+
+    def _request(self, method: str, path: str, body: dict | None = None, timeout=None, phase: str = "") -> Any:
+        """`_send`, retried while the server is unreachable (with backoff, for up to `vllm_server_timeout` seconds);
+        after an interruption the last synced weights are loaded into the server again before the retry."""
+        deadline = time.monotonic() + self.args.vllm_server_timeout
+        while True:
+            try:
+                return self._send(method, path, body, timeout or self.args.vllm_server_timeout)
+            except _UNREACHABLE as e:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ConnectionError(
+                        f"The vLLM server at {self.base_url} stopped answering {method} {path} ({phase}"
+                        f"{self.context()}) and did not come back within vllm_server_timeout="
+                        f"{self.args.vllm_server_timeout}s: {e}. Restart the server and resume with "
+                        "`trainer.train(resume_from_checkpoint=True)`."
+                    ) from e
+                logger.warning(f"vLLM server at {self.base_url} unreachable ({phase}: {e}); retrying.")
+                self._wait_until_up(remaining, phase)
+                self._restore_weights()
+
+    def _restore_weights(self) -> None:
+        """After the server was unreachable (it may have restarted from its own checkpoint): load the last synced
+        weights again, from the folder written at that sync."""
+        if self.synced is None or self.args.vllm_weight_transfer != "checkpoint":
+            return  # nothing synced yet; NCCL: the trainer re-sends at the next sync (the engine is marked unsynced)
+        self._send("POST", "/collective_rpc", self._reload_body(), self.args.weight_sync_timeout)
+        self._send("POST", "/reset_prefix_cache", None, self.args.weight_sync_timeout)
+
+    def _reload_body(self) -> dict:
+        kwargs = {"weights_path": self.weights_dir, "is_checkpoint_format": True}
+        return {"method": "reload_weights", "kwargs": kwargs}
+
+    # ---------------------------------------------------------------------------------------------------- weights
+    def sync_weights(self, model, accelerator) -> None:
+        """Every process iterates the weights (gathering may be collective) and holds its lock (`ensure_synced`);
+        the main process sends them once all do."""
+        if self.args.vllm_weight_transfer == "nccl":
+            return self._sync_over_nccl(model, accelerator)
+        config = getattr(base_model(accelerator.unwrap_model(model)), "config", None)
+        write_checkpoint(self.weights_dir, config, named_weights(model, accelerator), accelerator.is_main_process)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            phase = "weight sync"
+            self._request("POST", "/collective_rpc", self._reload_body(), self.args.weight_sync_timeout, phase)
+            self._request("POST", "/reset_prefix_cache", None, self.args.weight_sync_timeout, phase)
+        accelerator.wait_for_everyone()
+
+    def _sync_over_nccl(self, model, accelerator) -> None:
+        """TRL 1.16's sequence (`trl/experimental/async_grpo/weight_transfer.py`): the main process broadcasts each
+        tensor over the NCCL group while `/update_weights` tells the server what to receive."""
+        weights = named_weights(model, accelerator)
+        if not accelerator.is_main_process:
+            for _ in weights:  # other processes take part in the gathers only
+                pass
+            accelerator.wait_for_everyone()
+            return
+        if self.transfer is None:
+            self.transfer = NCCLWeightTransfer(self)
+        accelerator.wait_for_everyone()
+        self.transfer.send(list(weights))
+
+    def close(self) -> None:
+        if self.transfer is not None:
+            self.transfer.close()
+
+    # ---------------------------------------------------------------------------------------------------- sampling
+    def generate(self, prompt_ids, generation_config, eos_token_ids):
+        """Each process sends its own prompts (the server batches concurrent requests): no collective, so processes
+        may hold different numbers of prompts (evaluation shards, the tool loop's remaining rows)."""
+        if not prompt_ids:
+            return [], []
+        with self.lock:  # no reload while this process's requests run
+            completions, logprobs = self._complete([list(p) for p in prompt_ids], generation_config, eos_token_ids)
+        return (
+            [torch.tensor(c, dtype=torch.long) for c in completions],
+            [torch.tensor(lp, dtype=torch.float32) for lp in logprobs],
+        )
+
+    def _complete(self, prompt_ids, generation_config, eos_token_ids):
+        settings = self.sampling_settings(generation_config, eos_token_ids)
+        if self.structured_outputs_regex is not None:
+            settings["structured_outputs"] = {"regex": self.structured_outputs_regex}
+        completions, logprobs = [], []
+        for prompts, n in self._requests(group_runs(prompt_ids)):
+            body = {"model": self.served_model, "prompt": prompts, "n": n, "return_token_ids": True,
+                    "skip_special_tokens": False, **settings}  # fmt: skip
+            response = self._request("POST", "/v1/completions", body, self.args.request_timeout, "generation")
+            for choice in sorted(response["choices"], key=lambda c: c["index"]):
+                ids = list(choice["token_ids"])
+                completions.append(ids)
+                values = (choice.get("logprobs") or {}).get("token_logprobs") or [None] * len(ids)
+                logprobs.append([float("nan") if v is None else float(v) for v in values[: len(ids)]])
+        return completions, logprobs
+
+    def _requests(self, runs: list[tuple[list[int], int]]):
+        """`(prompts, n)` per request: consecutive groups of one size together (`n` is per request), at most
+        `max_inflight_tasks` completions a request when it is positive."""
+        limit = self.args.max_inflight_tasks
+        start = 0
+        while start < len(runs):
+            n, end = runs[start][1], start
+            while end < len(runs) and runs[end][1] == n and (limit <= 0 or (end - start + 1) * n <= max(limit, n)):
+                end += 1
+            yield [ids for ids, _ in runs[start:end]], n
+            start = end
+
+
+class NCCLWeightTransfer:
+    """The trainer's side of vLLM's NCCL weight-transfer engine (CUDA; vLLM installed in the trainer process)."""
+
+    def __init__(self, engine: VLLMServerEngine):
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+        from vllm.utils.network_utils import get_ip, get_open_port
+
+        self.engine, timeout = engine, engine.args.weight_sync_timeout
+        world = engine._request("GET", "/get_world_size", phase="weight-transfer set-up")["world_size"]
+        info = {"master_address": get_ip(), "master_port": get_open_port(), "rank_offset": 1,
+                "world_size": world + 1, "packed": True}  # fmt: skip
+        self.group = self._alongside(
+            lambda: trainer_init(info), "POST", "/init_weight_transfer_engine", {"init_info": info}, timeout
+        )
+
+    def send(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+        timeout, request = self.engine.args.weight_sync_timeout, self.engine._request
+        request("POST", "/pause?mode=keep", None, timeout, "weight sync")
+        request("POST", "/start_weight_update", {"is_checkpoint_format": True}, timeout, "weight sync")
+        info = {"names": [name for name, _ in weights], "shapes": [list(t.shape) for _, t in weights],
+                "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in weights]}  # fmt: skip
+        try:
+            self._alongside(
+                lambda: packed_nccl_broadcast_producer(
+                    iterator=iter(weights), group=self.group, src=0, post_iter_func=lambda item: item[1]
+                ),
+                "POST", "/update_weights", {"update_info": info}, timeout,
+            )  # fmt: skip
+        finally:
+            request("POST", "/finish_weight_update", None, timeout, "weight sync")
+            request("POST", "/resume", None, timeout, "weight sync")
+
+    def _alongside(self, collective, method, path, body, timeout):
+        """Run `collective` (NCCL, which has no timeout) on a thread while the HTTP request that drives the server's
+        side runs here: a failure surfaces as the HTTP error, not as a hang."""
+        result, error = [], []
+        thread = threading.Thread(target=lambda: _capture(collective, result, error), daemon=True)
+        thread.start()
+        self.engine._request(method, path, body, timeout, "weight sync")
+        thread.join(timeout)
+        if error:
+            raise error[0]
+        return result[0] if result else None
+
+    def close(self) -> None:
+        self.group = None
+
+
+def _capture(function, result: list, error: list) -> None:
+    try:
+        result.append(function())
+    except BaseException as e:  # noqa: BLE001 (re-raised by the caller's thread)
+        error.append(e)

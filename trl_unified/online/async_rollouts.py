@@ -1,0 +1,139 @@
+"""Asynchronous rollouts: sampling runs ahead of training in a producer thread, staleness bounded at the source.
+
+With `async_rollouts=True` (a vLLM server: its HTTP waits release the GIL, and it runs beside training), the online
+core's two rollout stages run apart (`docs/async.md`):
+
+- **The producer** (a thread) reads the Trainer's data loader ahead of it and runs stage one, `sample(rows)`, for each
+  batch that opens a generation round, holding the engine's lock so that no weight reload lands inside a round. Each
+  `Samples` carries `policy_version`: the optimiser step of the weights the server held.
+- **Staleness is bounded at the source**: the round training will consume at optimiser step c starts only once the
+  server holds weights of step >= c - max_staleness, so every sample is consumed with 0 <= staleness <= max_staleness;
+  at most `queue_maxsize` completions wait.
+- **The consumer** (the Trainer's loop, main thread) receives the same batches in the same order. Before it waits for
+  a round it syncs the weights when they are `weight_sync_steps` steps old, or older than the round's gate allows
+  (so the producer can never wait for a sync the consumer does not make); every process decides alike, so syncs stay
+  collective. It then runs stage two, `finish(samples)`, under the current weights. A round found too stale anyway
+  (the safety net) is dropped, counted and sampled again.
+
+`max_staleness=0` is synchronous training: each round waits for the weights of the step that consumes it, and the
+order of every sampling, shuffle and update is the synchronous trainer's. A producer's exception is raised in the
+Trainer's loop as soon as it is waited for; `close()` stops the thread when training ends; rounds still queued at a
+checkpoint are sampled again after a resume (the data loader skips only what was trained on).
+"""
+
+import queue
+import threading
+import time
+
+
+class RoundRows(list):
+    """The rows of a data-loader batch that opens a generation round, with the round's `Samples` and timings:
+    `sample_s` (the producer's sampling), `backpressure_s` (its wait for weights or room), `enqueued_at`."""
+
+    samples = None
+    sample_s = backpressure_s = enqueued_at = wait_s = 0.0
+
+
+class _End:
+    pass
+
+
+class AsyncRollouts:
+    """The producer of one epoch's iterator (see the module docstring); iterate it in the Trainer's place."""
+
+    def __init__(self, trainer, source):
+        args = trainer.args
+        self.trainer, self.source, self.engine = trainer, source, trainer.vllm_engine
+        self.window = args.steps_per_generation * args.num_iterations  # micro-steps one round serves
+        self.accumulation = args.gradient_accumulation_steps
+        self.base_step, self.base_micro = trainer.state.global_step, trainer._step
+        self.opens_first = trainer._buffer is None  # no buffered round (start, or a resume without one)
+        per_round = args.generation_batch_size // trainer.accelerator.num_processes
+        self.room = threading.Semaphore(max(1, args.queue_maxsize // max(per_round, 1)))
+        self.items: queue.Queue = queue.Queue()
+        self.weights = threading.Condition()
+        self.stop = threading.Event()
+        self.delivered, self.queued_rounds, self.heartbeat = 0, 0, time.monotonic()
+        self.thread = threading.Thread(target=self._produce, name="trl_unified-rollout-producer", daemon=True)
+        self.thread.start()
+
+    def opens_round(self, index: int) -> bool:
+        return (self.base_micro + index) % self.window == 0 or (index == 0 and self.opens_first)
+
+    def consumption_step(self, index: int) -> int:
+        """The optimiser step whose weights train on batch `index` (the Trainer takes `accumulation` per step)."""
+        return self.base_step + index // self.accumulation
+
+    def in_producer(self) -> bool:
+        return threading.current_thread() is self.thread
+
+    # ------------------------------------------------------------------ the producer thread
+    def _produce(self) -> None:
+        try:
+            for index, rows in enumerate(self.source):
+                self.heartbeat = time.monotonic()
+                if not self.opens_round(index):
+                    self.items.put(rows)
+                    continue
+                item, start = RoundRows(rows), time.perf_counter()
+                while not self.room.acquire(timeout=0.1):
+                    if self.stop.is_set():
+                        return
+                self._wait_for_weights(self.consumption_step(index) - self.trainer.args.max_staleness)
+                if self.stop.is_set():
+                    return
+                item.backpressure_s, start = time.perf_counter() - start, time.perf_counter()
+                self.heartbeat = time.monotonic()
+                with self.engine.lock:
+                    item.samples = self.trainer.sample(rows)
+                item.sample_s, item.enqueued_at = time.perf_counter() - start, time.monotonic()
+                self.queued_rounds += 1
+                self.items.put(item)
+            self.items.put(_End())
+        except BaseException as error:  # noqa: BLE001 (raised in the Trainer's loop)
+            self.items.put(error)
+
+    def _wait_for_weights(self, version: int) -> None:
+        with self.weights:
+            while not self.stop.is_set() and (self.engine.version is None or self.engine.version < version):
+                self.weights.wait(timeout=0.1)
+
+    # ------------------------------------------------------------------ the consumer (the Trainer's loop)
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        index = self.delivered
+        if self.opens_round(index):  # the weights this round's gate needs, synced on every process alike
+            self.trainer.sync_for_round(self.consumption_step(index))
+            with self.weights:
+                self.weights.notify_all()
+        start = time.perf_counter()
+        while True:
+            try:
+                item = self.items.get(timeout=0.5)
+                break
+            except queue.Empty:
+                stale = time.monotonic() - self.heartbeat
+                if stale > self.trainer.args.heartbeat_stale_after_s:
+                    raise TimeoutError(
+                        f"The rollout producer made no progress for {stale:.0f}s (heartbeat_stale_after_s="
+                        f"{self.trainer.args.heartbeat_stale_after_s}) while training waited for its next round."
+                    ) from None
+        if isinstance(item, BaseException):
+            raise item
+        if isinstance(item, _End):
+            raise StopIteration
+        self.delivered += 1
+        if isinstance(item, RoundRows):
+            self.room.release()
+            self.queued_rounds -= 1
+            item.wait_s = time.perf_counter() - start
+        return item
+
+    def close(self) -> None:
+        """Stop the producer and wait for it (a request in flight ends within `request_timeout`)."""
+        self.stop.set()
+        with self.weights:
+            self.weights.notify_all()
+        self.thread.join(timeout=self.trainer.args.request_timeout)
