@@ -177,6 +177,7 @@ class VLLMEngine:
         # Held while this process generates and while the weights are replaced: a reload never overlaps a request
         # (asynchronous rollouts generate in a producer thread).
         self.lock = threading.RLock()
+        self.context = lambda: ""  # where the trainer stands, for error messages (OnlineTrainer sets it)
 
     @staticmethod
     def from_args(args, model, accelerator) -> "VLLMEngine":

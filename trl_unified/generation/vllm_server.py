@@ -20,6 +20,7 @@ interrupted request is sent again (a restarted server starts from its own checkp
 was being done and the last saved checkpoint.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -52,7 +53,6 @@ class VLLMServerEngine(VLLMEngine):
             args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         ).rstrip("/")
         self.weights_dir = os.path.join(os.path.abspath(args.output_dir), "vllm-weights")
-        self.context = lambda: ""  # the trainer's step and last checkpoint, for error messages (set by the trainer)
         self.transfer = None  # the NCCL weight-transfer group, opened at the first sync (vllm_weight_transfer="nccl")
         self._wait_until_up(args.vllm_server_timeout, "start-up")
         self.served_model = self._request("GET", "/v1/models", phase="start-up")["data"][0]["id"]
@@ -120,17 +120,20 @@ class VLLMServerEngine(VLLMEngine):
         while True:
             try:
                 return self._send(method, path, body, timeout or self.args.vllm_server_timeout)
-            except _UNREACHABLE as e:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+            except _UNREACHABLE as error:
+                try:
+                    if time.monotonic() >= deadline:
+                        raise
+                    logger.warning(f"vLLM server at {self.base_url} unreachable ({phase}: {error}); retrying.")
+                    self._wait_until_up(deadline - time.monotonic(), phase)
+                except _UNREACHABLE as gone:
+                    limit = self.args.vllm_server_timeout
                     raise ConnectionError(
                         f"The vLLM server at {self.base_url} stopped answering {method} {path} ({phase}"
-                        f"{self.context()}) and did not come back within vllm_server_timeout="
-                        f"{self.args.vllm_server_timeout}s: {e}. Restart the server and resume with "
-                        "`trainer.train(resume_from_checkpoint=True)`."
-                    ) from e
-                logger.warning(f"vLLM server at {self.base_url} unreachable ({phase}: {e}); retrying.")
-                self._wait_until_up(remaining, phase)
+                        f"{self.context()}) and was not back within vllm_server_timeout={limit}s: {error}. Restart "
+                        "the server, then resume with `trainer.train(resume_from_checkpoint=True)`."
+                    ) from gone
+            with contextlib.suppress(*_UNREACHABLE):  # gone again: the next attempt waits for it once more
                 self._restore_weights()
 
     def _restore_weights(self) -> None:

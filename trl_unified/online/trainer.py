@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from accelerate.utils import gather, set_seed
 from datasets import IterableDataset
+from transformers.trainer_utils import get_last_checkpoint
 from trl import is_conversational, prepare_multimodal_messages
 
 from ..core.logprobs import TokenLogprobs
@@ -127,6 +128,8 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         self.vllm_engine = (
             VLLMEngine.from_args(self.args, self.model, self.accelerator) if self.args.use_vllm else None
         )
+        if self.vllm_engine is not None:
+            self.vllm_engine.context = self._where
         self.plan = self.rollout_plan()
         self._step, self._buffer, self._rollout, self._step_time = 0, None, None, 0.0
         self._producer = None  # asynchronous rollouts: this epoch's producer (online/async_rollouts.py)
@@ -269,6 +272,11 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
             self.model_wrapped or self.model, self.accelerator, self, self.state.global_step
         )
         return self.vllm_engine
+
+    def _where(self) -> str:
+        """Where training stands, for an engine's error messages: the step and the last checkpoint saved."""
+        checkpoint = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+        return f", at global step {self.state.global_step}; last saved checkpoint: {checkpoint or 'none yet'}"
 
     def _continuous_batching_config(self):
         if not self.args.use_transformers_continuous_batching:

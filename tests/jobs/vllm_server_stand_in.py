@@ -1,0 +1,81 @@
+"""A stand-in for a vLLM server on loopback (`VLLM_SERVER_DEV_MODE=1`): the endpoints the server engine calls, every
+request recorded, and the faults a real server has: it goes away (connections refused), stalls, and comes back on
+the same port."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class VLLMServerStandIn:
+    """`server = VLLMServerStandIn(); server.url`; `server.down()` / `server.up()`; `server.stall_for = seconds` delays
+    the next completion; `server.requests`: `"METHOD /path"` in order, `server.bodies` their JSON bodies.
+    Completions are `completion` (token ids, log-prob -0.5 each), `n` per prompt."""
+
+    def __init__(self, completion=(7, 8, 9), world_size=1):
+        self.completion, self.world_size = list(completion), world_size
+        self.requests, self.bodies, self.stall_for = [], [], 0.0
+        self.server, self.port = None, 0
+        self.up()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def up(self) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler())
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def down(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()  # the port refuses connections until up()
+
+    def _answer(self, method: str, path: str, body: dict | None):
+        self.requests.append(f"{method} {path}")
+        self.bodies.append(body)
+        if path == "/v1/models":
+            return {"data": [{"id": "stand-in", "max_model_len": 512}]}
+        if path == "/get_world_size":
+            return {"world_size": self.world_size}
+        if path == "/v1/completions":
+            if self.stall_for:
+                stall, self.stall_for = self.stall_for, 0.0
+                time.sleep(stall)
+            choices = [
+                {
+                    "index": i,
+                    "token_ids": self.completion,
+                    "logprobs": {"token_logprobs": [-0.5] * len(self.completion)},
+                }
+                for i in range(body["n"] * len(body["prompt"]))
+            ]
+            return {"choices": choices}
+        if path.startswith("/server_info"):
+            return {"vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs"}}}
+        return {}
+
+    def _handler(self):
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, body):
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._reply(stand_in._answer("GET", self.path, None))
+
+            def do_POST(self):
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self._reply(stand_in._answer("POST", self.path, json.loads(raw) if raw else None))
+
+        return Handler
