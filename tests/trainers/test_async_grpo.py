@@ -168,6 +168,7 @@ def test_the_importance_sampling_option_equals_a_hand_computation(tokenizer, tmp
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     logged = trainer._metrics["train"]
     assert not math.isnan(logged["sampling/importance_sampling_ratio/mean"][-1])
+    assert logged["sampling/importance_sampling_ratio/staleness_0"][-1] == pytest.approx(w[mask].mean().item())
 
 
 def test_async_grpo_trains_and_logs_trls_metrics(tokenizer, tmp_path, engines):

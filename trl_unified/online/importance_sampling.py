@@ -103,6 +103,9 @@ class ImportanceSamplingMixin:
             values = gather(value.reshape(1))
             reduce = torch.max if name.endswith("max") else torch.min if name.endswith("min") else torch.mean
             self.log_metric(name, reduce(values[~torch.isnan(values)]).item() if values.numel() else 0.0)
+        if self.args.async_rollouts:  # the correction split by how old the sampling weights were
+            name = f"sampling/importance_sampling_ratio/staleness_{batch.staleness}"
+            self.log_metric(name, self.masked_global_mean(batch.importance_sampling_ratio, mask))
 
 
 def importance_sampling_ratio(

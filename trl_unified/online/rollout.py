@@ -79,6 +79,8 @@ class RolloutBatch(TensorBatch):
             they are not the trainer's own π_old.
         importance_sampling_ratio (`(B, 1)`, `(B, C)` or None): the vLLM correction of the loss
             (`online/importance_sampling.py`); None without it.
+        staleness (`int`): optimiser steps between the weights that sampled the batch and those it is finished
+            under (0 unless rollouts are asynchronous).
     """
 
     prompt_ids: torch.Tensor
@@ -99,6 +101,7 @@ class RolloutBatch(TensorBatch):
     returns: torch.Tensor | None = None
     sampling_logps: torch.Tensor | None = None
     importance_sampling_ratio: torch.Tensor | None = None
+    staleness: int = scalar_field(0)
 
     def __len__(self) -> int:
         return self.prompt_ids.size(0)

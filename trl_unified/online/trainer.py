@@ -439,6 +439,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         correction, rewards and advantages, and the round's metrics (see the module docstring)."""
         mode = self.mode
         batch = self.batch_class.from_samples(samples, self.args.mask_truncated_completions)
+        batch.staleness = self.state.global_step - (samples.policy_version or 0) if mode == "train" else 0
         batch.num_loss_tokens = self.accelerator.gather(batch.loss_mask.sum()).sum().item()
         self._log_generation_metrics(mode, samples)
         self.rollout_logps(batch, mode)
