@@ -30,6 +30,7 @@ from .trainers.dpo import DPOConfig, DPOTrainer
 from .trainers.grm import GRMConfig, GRMTrainer
 from .trainers.grpo import GRPOConfig, GRPOTrainer
 from .trainers.kto import KTOConfig, KTOTrainer
+from .trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 from .trainers.ppo import PPOConfig, PPOTrainer
 from .trainers.rloo import RLOOConfig, RLOOTrainer, rloo_advantages
 
@@ -50,6 +51,8 @@ __all__ = [
     "GenerationOptions",
     "GenerationOutput",
     "KTOConfig",
+    "OnlineDPOConfig",
+    "OnlineDPOTrainer",
     "KTOTrainer",
     "OnlineConfig",
     "OnlineTrainer",

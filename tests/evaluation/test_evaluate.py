@@ -15,7 +15,7 @@ PROMPTS = ["a b c", "d e", "f g h i", "j k", "l", "m n o", "p q"]
 def last_word_answers(trainer, prompts):
     """What the trainer's greedy generation will answer, read with the 'last word' extractor."""
     out = generate_batched(
-        trainer.model, trainer.processing_class, prompts, trainer.generation_config(do_sample=False)
+        trainer.model, trainer.processing_class, prompts, trainer.make_generation_config(do_sample=False)
     )
     return [extract_answer(t, r"regex:(\S+)\s*$") for t in out.texts]
 

@@ -27,7 +27,7 @@ def main(out_dir):
     trainer.train()
     policy = trainer.accelerator.unwrap_model(trainer.model)
     prompts = list(prompt_dataset(6)["prompt"])[PartialState().process_index :: 2]
-    config = trainer.generation_config(do_sample=False)
+    config = trainer.make_generation_config(do_sample=False)
     engine = trainer._synced_vllm_engine()
     ours = generate_batched(policy, tok, prompts, generation_config=config, lean_decoding=False).completion_ids_list
     theirs = generate_batched(policy, tok, prompts, generation_config=config, vllm=engine).completion_ids_list

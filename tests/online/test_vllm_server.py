@@ -143,3 +143,31 @@ def test_training_rides_through_a_server_restart(server, tokenizer, tmp_path):
     trainer.train()
     assert trainer.state.global_step == 4
     assert server.requests.count("POST /v1/completions") == 4  # one round per step, none lost
+
+
+def test_a_background_sync_loads_a_snapshot_while_training_goes_on(server, tmp_path):
+    """One process: the weights are copied when the sync starts; training may change them meanwhile; the server
+    gets the copy, and the engine reports the version once the reload is done."""
+    engine, model = engine_for(server, tmp_path), build_causal_lm_with_tokenizer()
+    accelerator, owner = Accelerator(cpu=True), object()
+    snapshot = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.sync_in_background(model, accelerator, owner, 4)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)  # training goes on
+    engine.wait_for_sync()
+    assert engine.version == 4 and server.requests[-2:] == ["POST /collective_rpc", "POST /reset_prefix_cache"]
+    from safetensors.torch import load_file
+
+    written = load_file(f"{engine.weights_dir}/model.safetensors")
+    assert all(torch.equal(written[name], value) for name, value in snapshot.items())
+
+
+def test_a_failed_background_sync_is_raised(server, tmp_path):
+    engine = engine_for(server, tmp_path, vllm_server_timeout=1)
+    server.down()
+    engine.sync_in_background(build_causal_lm_with_tokenizer(), Accelerator(cpu=True), object(), 1)
+    with pytest.raises(ConnectionError, match="weight sync"):
+        engine.wait_for_sync()
+    assert engine.version is None
+    server.up()

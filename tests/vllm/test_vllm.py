@@ -34,7 +34,7 @@ HIDDEN = 128  # 4 heads of 32
 def greedy_pair(trainer, tokenizer, prompts):
     """(transformers' greedy `generate`, vLLM's greedy completions) on the trainer's current policy."""
     policy = trainer.accelerator.unwrap_model(trainer.model)
-    config = trainer.generation_config(do_sample=False)
+    config = trainer.make_generation_config(do_sample=False)
     engine = trainer._synced_vllm_engine()
     ours = generate_batched(policy, tokenizer, prompts, generation_config=config, lean_decoding=False)
     theirs = generate_batched(policy, tokenizer, prompts, generation_config=config, vllm=engine)

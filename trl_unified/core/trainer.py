@@ -262,7 +262,12 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
             base.generation_config.pad_token_id = tokenizer.pad_token_id
 
     # ------------------------------------------------------------------ generation and log-probs
-    def generation_config(self, do_sample: bool = True, max_new_tokens: int | None = None):
+    @property
+    def generation_config(self):
+        """TRL's attribute: the `GenerationConfig` training samples with (`make_generation_config()`)."""
+        return self.make_generation_config()
+
+    def make_generation_config(self, do_sample: bool = True, max_new_tokens: int | None = None):
         """`GenerationConfig` from the trainer's config (sampling for training, greedy for evaluation by default)."""
         model = self.accelerator.unwrap_model(self.model)
         return build_generation_config(
@@ -284,7 +289,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
             self.model_wrapped if self.model_wrapped is not None else self.model,
             self.processing_class,
             prompts,
-            generation_config=self.generation_config(do_sample, max_new_tokens),
+            generation_config=self.make_generation_config(do_sample, max_new_tokens),
             batch_size=batch_size,
             accelerator=self.accelerator,
             images=images,
@@ -295,6 +300,12 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
             return_logprobs=return_logprobs,
             **self.generation_options(),
         )
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature log-probs are taken at: the sampling temperature (TRL's RLOO, GRPO, PPO), or 1.0 for a
+        trainer whose loss reads the policy itself (online DPO)."""
+        return self.args.temperature
 
     def token_logprobs(self, model, input_ids, attention_mask, logits_to_keep, **kwargs) -> TokenLogprobs:
         """Per-token log-probs of the last `logits_to_keep` tokens under `model`, at the sampling temperature, under
@@ -315,7 +326,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
             kwargs["shared_prefix"] = self.uses_shared_prefix(model, "log-prob forward", extra, router_logits)
         with self.accelerator.autocast():
             return compute_token_logprobs(
-                model, input_ids, attention_mask, logits_to_keep, temperature=self.args.temperature, **kwargs
+                model, input_ids, attention_mask, logits_to_keep, temperature=self.logprob_temperature, **kwargs
             )
 
     def uses_shared_prefix(

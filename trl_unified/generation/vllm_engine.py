@@ -178,6 +178,7 @@ class VLLMEngine:
         # (asynchronous rollouts generate in a producer thread).
         self.lock = threading.RLock()
         self.context = lambda: ""  # where the trainer stands, for error messages (OnlineTrainer sets it)
+        self.syncing, self.sync_error = None, None  # a sync running in the background, and what stopped one
 
     @staticmethod
     def from_args(args, model, accelerator) -> "VLLMEngine":
@@ -196,6 +197,7 @@ class VLLMEngine:
     def ensure_synced(self, model, accelerator, owner, version) -> float:
         """Sync the policy's weights unless the engine already holds this `(owner, version)` of them; the seconds
         it took (0.0 when already synced)."""
+        self.wait_for_sync()
         if self.synced == (id(owner), version):
             return 0.0
         start = time.perf_counter()
@@ -205,6 +207,20 @@ class VLLMEngine:
             self.synced = (id(owner), version)
         logger.debug(f"vLLM weights synced in {time.perf_counter() - start:.2f}s")
         return time.perf_counter() - start
+
+    def sync_in_background(self, model, accelerator, owner, version) -> float:
+        """Start a sync that completes while training goes on; the seconds training spent on it. An engine that
+        cannot load a snapshot in the background syncs here (`ensure_synced`)."""
+        return self.ensure_synced(model, accelerator, owner, version)
+
+    def wait_for_sync(self) -> None:
+        """Wait for a sync running in the background; raise what stopped it."""
+        if self.syncing is not None:
+            self.syncing.join()
+            self.syncing = None
+        if self.sync_error is not None:
+            error, self.sync_error = self.sync_error, None
+            raise error
 
     def sampling_settings(self, generation_config, eos_token_ids) -> dict[str, Any]:
         settings = sampling_settings(generation_config, eos_token_ids)

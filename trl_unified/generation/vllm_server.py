@@ -158,10 +158,41 @@ class VLLMServerEngine(VLLMEngine):
         write_checkpoint(self.weights_dir, config, named_weights(model, accelerator), accelerator.is_main_process)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            phase = "weight sync"
-            self._request("POST", "/collective_rpc", self._reload_body(), self.args.weight_sync_timeout, phase)
-            self._request("POST", "/reset_prefix_cache", None, self.args.weight_sync_timeout, phase)
+            self._reload()
         accelerator.wait_for_everyone()
+
+    def _reload(self) -> None:
+        """The server loads the checkpoint folder written at this sync (`reload_weights`) and drops its cache."""
+        self._request("POST", "/collective_rpc", self._reload_body(), self.args.weight_sync_timeout, "weight sync")
+        self._request("POST", "/reset_prefix_cache", None, self.args.weight_sync_timeout, "weight sync")
+
+    def sync_in_background(self, model, accelerator, owner, version) -> float:
+        """One process, checkpoint transfer: the weights are copied to CPU here (the seconds returned), then written
+        and reloaded into the server by a thread (the reload under the lock) while training goes on; the engine
+        reports the new `version` once the server holds it. Otherwise `ensure_synced`."""
+        if accelerator.num_processes > 1 or self.args.vllm_weight_transfer != "checkpoint":
+            return super().sync_in_background(model, accelerator, owner, version)
+        self.wait_for_sync()
+        start = time.perf_counter()
+        config = getattr(base_model(accelerator.unwrap_model(model)), "config", None)
+        weights = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named_weights(model, accelerator)]
+        target = lambda: self._load_snapshot(config, weights, (id(owner), version))  # noqa: E731
+        self.syncing = threading.Thread(target=target, name="trl_unified-weight-sync", daemon=True)
+        self.syncing.start()
+        return time.perf_counter() - start
+
+    def _load_snapshot(self, config, weights, synced) -> None:
+        try:
+            write_checkpoint(self.weights_dir, config, weights, write=True)
+            with self.lock:
+                self.synced = None
+                self._request(
+                    "POST", "/collective_rpc", self._reload_body(), self.args.weight_sync_timeout, "weight sync"
+                )
+                self._request("POST", "/reset_prefix_cache", None, self.args.weight_sync_timeout, "weight sync")
+                self.synced = synced
+        except BaseException as error:  # noqa: BLE001 (raised by the next wait_for_sync, or in the producer)
+            self.sync_error = error
 
     def _sync_over_nccl(self, model, accelerator) -> None:
         """TRL 1.16's sequence (`trl/experimental/async_grpo/weight_transfer.py`): the main process broadcasts each

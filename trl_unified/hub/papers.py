@@ -1,6 +1,16 @@
 """The papers behind each algorithm, cited once (docstrings and model cards read from here)."""
 
 PAPERS: dict[str, dict[str, str]] = {
+    "online dpo": {
+        "title": "Direct Language Model Alignment from Online AI Feedback",
+        "id": "2402.04792",
+        "citation": """@article{guo2024direct,
+    title        = {{Direct Language Model Alignment from Online AI Feedback}},
+    author       = {Shangmin Guo and Biao Zhang and Tianlin Liu and Tianqi Liu and Misha Khalman and Felipe Llinares and Alexandre Ram{\'{e}} and Thomas Mesnard and Yao Zhao and Bilal Piot and Johan Ferret and Mathieu Blondel},
+    year         = 2024,
+    eprint       = {arXiv:2402.04792}
+}""",
+    },
     "distillation": {
         "title": "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes",
         "id": "2306.13649",

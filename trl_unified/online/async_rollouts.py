@@ -96,6 +96,8 @@ class AsyncRollouts:
     def _wait_for_weights(self, version: int) -> None:
         with self.weights:
             while not self.stop.is_set() and (self.engine.version is None or self.engine.version < version):
+                if self.engine.sync_error is not None:  # the weights it waits for will not come
+                    raise self.engine.sync_error
                 self.weights.wait(timeout=0.1)
 
     # ------------------------------------------------------------------ the consumer (the Trainer's loop)
@@ -137,3 +139,5 @@ class AsyncRollouts:
         with self.weights:
             self.weights.notify_all()
         self.thread.join(timeout=self.trainer.args.request_timeout)
+        if self.engine.syncing is not None:  # a weight sync still running in the background
+            self.engine.syncing.join()

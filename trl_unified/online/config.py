@@ -28,6 +28,8 @@ class OnlineConfig(PolicyConfig):
 
     # Completions per prompt the algorithm needs at least (a group baseline needs 2; a learned critic needs 1).
     _min_num_generations: ClassVar[int] = 2
+    # Completions per unit of per_device_train_batch_size (1; online DPO: 2, TRL counting its prompts).
+    _batch_unit: ClassVar[int] = 1
     # Fields that only matter with vLLM generation: set without it, TRL ignores them, and so do we (with a warning).
     _vllm_only_fields: ClassVar[tuple[str, ...]] = _VLLM_FIELDS[1:]
 
@@ -162,6 +164,9 @@ class OnlineConfig(PolicyConfig):
         self._check_batch_layout()
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations={self.num_iterations} must be >= 1.")
+        self._check_beta()
+
+    def _check_beta(self):
         if self.beta < 0:
             raise ValueError(f"beta={self.beta} must be >= 0 (0 disables the KL penalty and the reference model).")
 
@@ -210,7 +215,7 @@ class OnlineConfig(PolicyConfig):
             raise ValueError(
                 "auto_find_batch_size=True would break prompt groups of num_generations. Set it to False."
             )
-        world, per_device = self.world_size, self.per_device_train_batch_size
+        world, per_device = self.world_size, self.per_device_train_batch_size * self._batch_unit
         if self.generation_batch_size is not None and self.steps_per_generation is not None:
             raise ValueError("Set generation_batch_size or steps_per_generation, not both.")
         if self.generation_batch_size is None:

@@ -133,7 +133,7 @@ class OnlineDataMixin:
         return self._get_dataloader(
             dataset=dataset,
             description="Training",
-            batch_size=self._train_batch_size * self.args.steps_per_generation,  # one whole generation batch
+            batch_size=self.args.generation_batch_size // self.accelerator.num_processes,  # a whole round
             sampler_fn=self._get_train_sampler,
             is_training=True,
         )

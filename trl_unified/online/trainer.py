@@ -64,13 +64,15 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
     and may declare, as class attributes: `old_logps_from_sampling` (read π_old from the logits the lean decode loop
     computed while sampling instead of a no-grad forward: PPO, as TRL's PPO reads `generate`'s scores),
     `reshuffle_each_iteration` (each of the `num_iterations` passes over a rollout draws a new order of micro-batches:
-    PPO's epochs), `batch_class` (the `RolloutBatch` subclass a rollout builds).
+    PPO's epochs), `shuffles_groups` (micro-batches hold whole groups: online DPO), `batch_class` (the `RolloutBatch`
+    subclass a rollout builds).
     """
 
     config_class = OnlineConfig
     repeats_prompts = True  # groups of G completions: log-prob forwards encode each prompt once where allowed
     old_logps_from_sampling = False
     reshuffle_each_iteration = False
+    shuffles_groups = False  # True: micro-batches hold whole groups (online DPO's loss reads each pair together)
     batch_class = RolloutBatch  # what a rollout returns (a subclass may add views of it)
     _entropy_bonus_enabled = False  # TRL's attribute: entropies keep their gradient when an entropy bonus is on
 
@@ -194,6 +196,10 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
     def num_generations_eval(self) -> int:
         return self.args.num_generations_eval or self.args.num_generations
 
+    @property
+    def _shuffle_unit(self) -> int:
+        return self.num_generations if self.shuffles_groups else 1
+
     def group_size(self, mode: str) -> int:
         """G: the completions per prompt of `mode`'s generation batches (contiguous groups of G rows)."""
         return self.num_generations if mode == "train" else self.num_generations_eval
@@ -251,7 +257,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
             shared = self.uses_shared_prefix(
                 self.model,
                 "generation",
-                generation_config=self.generation_config(),
+                generation_config=self.make_generation_config(),
                 continuous_batching=self.args.use_transformers_continuous_batching,
             )
         return {
@@ -335,9 +341,9 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         if self._step % (steps * self.args.num_iterations) == 0 or self._buffer is None:
             prefetched = getattr(inputs, "samples", None)  # sampled ahead (asynchronous rollouts)
             self._rollout = self.finish(self._fresh(inputs)) if prefetched is not None else self.rollout(inputs)
-            self._buffer = self._rollout.shuffled().split(steps)
+            self._buffer = self._rollout.shuffled(self._shuffle_unit).split(steps)
         elif self._step % steps == 0 and self.reshuffle_each_iteration:
-            self._buffer = self._rollout.shuffled().split(steps)  # a new order of micro-batches for this pass
+            self._buffer = self._rollout.shuffled(self._shuffle_unit).split(steps)  # a new order for this pass
         micro_batch = self._buffer[self._step % steps]
         self._step += 1
         return micro_batch
@@ -354,11 +360,14 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
 
     def sync_for_round(self, step: int) -> None:
         """Before training waits for the round it trains on at optimiser `step`: sync the weights when they are
-        `weight_sync_steps` old, or older than the round's staleness gate allows (every process decides alike)."""
+        `weight_sync_steps` old, or older than the round's staleness gate allows (every process decides alike). The
+        server loads them in the background where it can (`sync_in_background`): the producer's gate waits for them,
+        training does not."""
         a, version = self.args, self.vllm_engine.version
         if version is None or step - version >= min(a.weight_sync_steps, a.max_staleness + 1):
-            seconds = self.vllm_engine.ensure_synced(self.model_wrapped or self.model, self.accelerator, self, step)
-            self.log_metric("perf/weight_sync_s", seconds)
+            model = self.model_wrapped or self.model
+            seconds = self.vllm_engine.sync_in_background(model, self.accelerator, self, step)
+            self.log_metric("perf/weight_sync_s", seconds)  # what training spent on it
 
     def _fresh(self, rows) -> Samples:
         """The round sampled ahead for `rows`, with TRL's async metrics; too stale (the safety net behind the gate):
