@@ -1,5 +1,6 @@
-"""Speed and memory of an online trainer of trl_unified (RLOO or GRPO) vs TRL's of the same name, same workload,
-in one run. `benchmarks/rloo_vs_trl.py` and `benchmarks/grpo_vs_trl.py` call this with their trainer.
+"""Speed and memory of an online trainer of trl_unified (RLOO, GRPO or online DPO) vs TRL's of the same name, same
+workload, in one run. `benchmarks/{rloo,grpo,online_dpo}_vs_trl.py` call this with their trainer (online DPO: the
+same completions per step, half as many prompts with 2 completions each, beta 0.1).
 
 Model: Qwen2-style, 33.8M parameters, built locally (random weights, 8k word-level vocabulary); 32 new tokens, beta
 0.05, gradient checkpointing off, fp32 on CPU, 10 steps. Workloads (`--workload`, default both):
@@ -43,6 +44,7 @@ WORKLOADS = {
 # Word-level vocabularies: "8k" (the synthetic workloads' first measurements) and "real", Qwen2.5's size (151,665
 # tokens in its tokenizer; the 0.5B-3B checkpoints tie the input and output embeddings, as here).
 VOCABULARIES = {"8k": 8180, "real": 151_658}
+TRL_MODULES = {"online_dpo": "trl.experimental.online_dpo"}  # TRL's trainers outside `trl`
 
 
 def build_model(path: str, vocab: str = "8k") -> None:
@@ -76,14 +78,21 @@ def build_model(path: str, vocab: str = "8k") -> None:
 
 def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, workload: dict) -> None:
     """Train `steps` steps of `trainer` ("rloo"/"grpo") with `impl` ("trl" or "ours"); timings to `out`."""
+    import importlib
+
     import torch
     from datasets import Dataset
     from step_timer import PhaseTimer, StepTimer
     from transformers import PreTrainedTokenizerFast
 
-    library = __import__("trl" if impl == "trl" else "trl_unified")
-    name = {"rloo": "RLOO", "grpo": "GRPO"}[trainer]
+    library = importlib.import_module("trl_unified" if impl == "ours" else TRL_MODULES.get(trainer, "trl"))
+    name = {"rloo": "RLOO", "grpo": "GRPO", "online_dpo": "OnlineDPO"}[trainer]
     config_class, trainer_class = getattr(library, f"{name}Config"), getattr(library, f"{name}Trainer")
+    if trainer == "online_dpo":  # batch counts prompts (2 completions each), the length is max_new_tokens
+        shape = dict(per_device_train_batch_size=workload["batch_size"] // 2, max_new_tokens=32, beta=0.1)
+    else:
+        shape = dict(per_device_train_batch_size=workload["batch_size"], num_generations=workload["num_generations"],
+                     max_completion_length=32, beta=0.05)  # fmt: skip
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
     words = workload["prompt_words"]  # prompt lengths vary from `words` to `words + 8` words
@@ -97,10 +106,7 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
     ours_only = {} if impl == "trl" else {k: workload[k] for k in options if workload[k] is not None}
     args = config_class(
         output_dir=tempfile.mkdtemp(),
-        per_device_train_batch_size=workload["batch_size"],
-        num_generations=workload["num_generations"],
-        max_completion_length=32,
-        beta=0.05,
+        **shape,
         max_steps=steps,
         learning_rate=1e-6,
         logging_steps=1,
@@ -114,7 +120,7 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
     )
     policy_trainer = trainer_class(
         model_path,
-        reward,
+        reward_funcs=reward,
         args=args,
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,

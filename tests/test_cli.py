@@ -28,7 +28,7 @@ def test_env_prints_the_versions(capsys):
 def test_help_lists_every_trainer(capsys):
     assert main([]) == 0
     out = capsys.readouterr().out
-    assert "{rloo,grpo,ppo,dpo,kto,distillation,env}" in out
+    assert "{rloo,grpo,ppo,dpo,kto,distillation,online_dpo,env}" in out
 
 
 def test_a_bad_flag_is_named(tmp_path):

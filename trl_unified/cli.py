@@ -16,7 +16,7 @@ import platform
 import sys
 
 
-TRAINERS = ("rloo", "grpo", "ppo", "dpo", "kto", "distillation")
+TRAINERS = ("rloo", "grpo", "ppo", "dpo", "kto", "distillation", "online_dpo")
 
 
 def main(argv: list[str] | None = None) -> int:

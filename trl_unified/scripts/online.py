@@ -1,5 +1,5 @@
 # Copyright 2026 The trl_unified authors. Licensed under the Apache License, Version 2.0.
-"""The offline demo of `trl-unified rloo|grpo` (and of `examples/rloo.py`, `examples/grpo.py` with no model and no
+"""The offline demo of `trl-unified rloo|grpo|online_dpo` (and of `examples/<name>.py` with no model and no
 config): a tiny model built locally, synthetic prompts, the reward "fraction of the word `target_word`". Every flag
 of TRL's script is accepted (its parser, plus `--target_word`); the demo's defaults are `DEMO_DEFAULTS`."""
 
@@ -23,6 +23,11 @@ DEMO_DEFAULTS = dict(
     per_device_train_batch_size=16, num_generations=4, max_completion_length=12, learning_rate=1e-2, beta=0.0,
     max_steps=120, logging_steps=5, save_strategy="no", report_to="none", gradient_checkpointing=False, seed=0,
 )  # fmt: skip
+
+
+# Per command: online DPO samples pairs (2 completions per prompt; the batch counts prompts) with a DPO beta.
+DEMO_OVERRIDES = {"online_dpo": dict(num_generations=2, per_device_train_batch_size=8, max_new_tokens=12, beta=0.1,
+                                     learning_rate=3e-3, temperature=1.0)}  # fmt: skip
 
 
 def target_fraction(word: str):
@@ -55,7 +60,7 @@ def demo_model_and_data(training_args):
 
 def demo_parser(name: str, prog=None) -> TrlParser:
     parser = TrlParser((*make_parser(name).dataclass_types, DemoArguments), prog=prog)
-    parser.set_defaults(**DEMO_DEFAULTS, output_dir=f"outputs/{name}-demo")
+    parser.set_defaults(**{**DEMO_DEFAULTS, **DEMO_OVERRIDES.get(name, {})}, output_dir=f"outputs/{name}-demo")
     return parser
 
 

@@ -17,7 +17,13 @@ import sys
 from transformers import TrainerCallback
 
 
-SCRIPTS = {"rloo": "RLOO", "grpo": "GRPO", "dpo": "DPO", "kto": "KTO", "distillation": "Distillation"}
+# command: (TRL's script module, its class prefix, ours). TRL 1.16 ships no online DPO script: `online_dpo` is TRL's
+# GRPO script (prompts, `reward_funcs`, `reward_model_name_or_path`) with the online DPO classes.
+SCRIPTS = {
+    "rloo": ("rloo", "RLOO", "RLOO"), "grpo": ("grpo", "GRPO", "GRPO"), "dpo": ("dpo", "DPO", "DPO"),
+    "kto": ("kto", "KTO", "KTO"), "distillation": ("distillation", "Distillation", "Distillation"),
+    "online_dpo": ("grpo", "GRPO", "OnlineDPO"),
+}  # fmt: skip
 
 
 def is_demo(argv: list[str]) -> bool:
@@ -41,7 +47,7 @@ def entry_points(name: str, demo_module):
 
 
 def trainer_class(name: str):
-    return getattr(importlib.import_module("trl_unified"), f"{SCRIPTS[name]}Trainer")
+    return getattr(importlib.import_module("trl_unified"), f"{SCRIPTS[name][2]}Trainer")
 
 
 @contextlib.contextmanager
@@ -52,14 +58,14 @@ def trl_classes(name: str, trainer=None):
 
     import trl_unified
 
-    prefix, missing = SCRIPTS[name], object()
-    ours = {f"{prefix}Config": getattr(trl_unified, f"{prefix}Config")}
-    ours[f"{prefix}Trainer"] = trainer or getattr(trl_unified, f"{prefix}Trainer")
+    (module, theirs, prefix), missing = SCRIPTS[name], object()
+    ours = {f"{theirs}Config": getattr(trl_unified, f"{prefix}Config")}
+    ours[f"{theirs}Trainer"] = trainer or getattr(trl_unified, f"{prefix}Trainer")
     saved = {key: vars(trl).get(key, missing) for key in ours}
     for key, value in ours.items():
         setattr(trl, key, value)
     try:
-        yield importlib.import_module(f"trl.scripts.{name}")
+        yield importlib.import_module(f"trl.scripts.{module}")
     finally:
         for key, value in saved.items():
             if value is missing:
