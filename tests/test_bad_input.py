@@ -210,7 +210,7 @@ CASES = [
     ),
     (
         "use_vllm",
-        lambda c: rloo_config(c, use_vllm=True),
+        lambda c: rloo(c, config={"use_vllm": True}),
         ImportError,
         r"use_vllm=True with vllm_mode='colocate' needs vLLM, which is not installed: "
         r"pip install 'trl_unified\[vllm\]'",

@@ -241,7 +241,9 @@ class VLLMEngine:
 
 
 def check_vllm_config(args) -> None:
-    """The rules on a config's vLLM fields alone, checked when the config is built (`OnlineConfig`)."""
+    """The rules on a config's vLLM fields alone, checked when the config is built (`OnlineConfig`); what depends on
+    the machine (vLLM installed, CUDA) is checked when the trainer builds its engine (`check_vllm_settings`), so a
+    config can be written where it will not run."""
     if args.vllm_mode not in ("colocate", "server"):
         raise ValueError(f"vllm_mode={args.vllm_mode!r} must be 'colocate' or 'server'.")
     if args.vllm_group_port != 51216:
@@ -252,16 +254,10 @@ def check_vllm_config(args) -> None:
         )
     if args.vllm_weight_transfer not in ("checkpoint", "nccl"):
         raise ValueError(f"vllm_weight_transfer={args.vllm_weight_transfer!r} must be 'checkpoint' or 'nccl'.")
-    if args.vllm_weight_transfer == "nccl":
-        if args.vllm_mode != "server" or not torch.cuda.is_available():
-            raise ValueError("vllm_weight_transfer='nccl' needs vllm_mode='server' and a CUDA device (NCCL).")
-        require_vllm("vllm_weight_transfer='nccl' (the trainer joins vLLM's NCCL group)")
-    if args.vllm_mode == "colocate":
-        require_vllm()
-        if args.vllm_tensor_parallel_size < 1:
-            raise ValueError(f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size} must be >= 1.")
-        if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
-            raise ValueError("vllm_enable_sleep_mode=True needs a CUDA device (vLLM's sleep mode is CUDA-only).")
+    if args.vllm_weight_transfer == "nccl" and args.vllm_mode != "server":
+        raise ValueError("vllm_weight_transfer='nccl' is server mode's: set vllm_mode='server'.")
+    if args.vllm_mode == "colocate" and args.vllm_tensor_parallel_size < 1:
+        raise ValueError(f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size} must be >= 1.")
 
 
 def check_vllm_settings(args, model, accelerator) -> None:
@@ -271,7 +267,14 @@ def check_vllm_settings(args, model, accelerator) -> None:
     config = getattr(unwrapped, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError("use_vllm=True needs a decoder-only policy; vLLM does not train-sync encoder-decoder models.")
+    if args.vllm_weight_transfer == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("vllm_weight_transfer='nccl' needs a CUDA device (NCCL).")
+        require_vllm("vllm_weight_transfer='nccl' (the trainer joins vLLM's NCCL group)")
     if args.vllm_mode == "colocate":
+        require_vllm()
+        if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
+            raise ValueError("vllm_enable_sleep_mode=True needs a CUDA device (vLLM's sleep mode is CUDA-only).")
         world, tp = accelerator.num_processes if accelerator is not None else 1, args.vllm_tensor_parallel_size
         if world % tp:
             raise ValueError(

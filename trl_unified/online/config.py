@@ -182,8 +182,8 @@ class OnlineConfig(PolicyConfig):
         return f"`beta={self.beta}`"
 
     def _check_vllm_fields(self):
-        """With `use_vllm=True`: one engine, and the vLLM fields' own rules (`check_vllm_config`; vLLM installed for
-        colocate mode, server mode needs only HTTP).
+        """With `use_vllm=True`: one engine, and the vLLM fields' own rules (`check_vllm_config`; whether vLLM is
+        installed is checked when the trainer starts its engine: server mode needs only HTTP).
         Without it the vLLM fields change nothing, so setting them is ignored with a warning, as TRL ignores them."""
         if self.use_vllm:
             if self.use_transformers_continuous_batching:

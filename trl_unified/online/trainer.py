@@ -204,6 +204,9 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         """G: the completions per prompt of `mode`'s generation batches (contiguous groups of G rows)."""
         return self.num_generations if mode == "train" else self.num_generations_eval
 
+    use_vllm = property(lambda self: self.args.use_vllm)  # TRL's attributes
+    vllm_mode = property(lambda self: self.args.vllm_mode if self.args.use_vllm else None)
+
     @property
     def beta(self) -> float:
         return self.args.beta
