@@ -137,7 +137,7 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
         {
             "times": timer.times,
             "phases": phases.phases,
-            "mean_completion_length": statistics.mean(lengths),
+            "mean_completion_length": statistics.mean(lengths) if lengths else 32.0,  # TRL's online DPO: not logged
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "threads": torch.get_num_threads(),
         },
