@@ -87,12 +87,41 @@ def test_chunked_divergence_equals_full_logits_values_and_gradients():
         torch.testing.assert_close(entropy, -(p * p.log()).sum(-1).detach())
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("weighting", ["uniform", "per_position"])
+def test_gradient_in_the_forward_equals_autograd(beta, weighting):
+    """`LinearDivergence` (both heads plain linear: the closed-form gradient computed in the forward) gives autograd's
+    values and gradients for the hidden states and the student's head, for a loss weighing positions alike (scaled
+    in the backward) and one that does not (the chunks recomputed)."""
+    torch.manual_seed(0)
+    head_s, head_t = torch.nn.Linear(8, 11, bias=False), torch.nn.Linear(8, 11, bias=False)
+    hidden_s, hidden_t = torch.randn(3, 4, 8, requires_grad=True), torch.randn(3, 4, 8)
+    weights = torch.full((3, 4), 0.25) if weighting == "uniform" else torch.rand(3, 4)
+    results = []
+    for linear in (None, ((head_s.weight, 2.0), (head_t.weight, 0.5))):
+        hidden_s.grad = head_s.weight.grad = None
+        div, entropy = token_divergence(hidden_s, hidden_t, head_s, head_t, beta, 1.5, (2.0, None), (0.5, None),
+                                        chunk_size=5, linear=linear)  # fmt: skip
+        (div * weights).sum().backward()
+        results.append((div.detach(), entropy, hidden_s.grad, head_s.weight.grad))
+    for ours, autograd in zip(*results, strict=True):
+        torch.testing.assert_close(ours, autograd, atol=1e-6, rtol=1e-5)
+
+
 # ------------------------------------------------------------------ equivalence with TRL's trainer
-def fixed_batch(tokenizer):
+def fixed_batch(tokenizer, common=0):
+    """Three rows, prompts left-padded to 4 (to 6 with `common`: their real tokens then begin with the same `common`
+    tokens, a system prompt, which the trainer encodes once for all rows)."""
     torch.manual_seed(3)
     vocab = len(tokenizer)
     prompt_ids = torch.randint(5, vocab, (3, 4))
     prompt_mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1]])
+    if common:
+        prefix = torch.randint(5, vocab, (common,))
+        rows = [torch.cat([prefix, ids[mask == 1]]) for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
+        width = max(len(r) for r in rows)
+        prompt_ids = torch.stack([torch.cat([torch.zeros(width - len(r), dtype=torch.long), r]) for r in rows])
+        prompt_mask = torch.stack([(torch.arange(width) >= width - len(r)).long() for r in rows])
     prompt_ids = prompt_ids.masked_fill(prompt_mask == 0, tokenizer.pad_token_id)
     completion_ids = torch.randint(5, vocab, (3, 5))
     completion_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
@@ -103,7 +132,7 @@ def fixed_batch(tokenizer):
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
-def test_loss_and_gradients_equal_trls(beta, temperature, peft, tmp_path):
+def test_loss_and_gradients_equal_trls(beta, temperature, peft, tmp_path, system_prompt=0):
     tokenizer = build_tokenizer()
     student, teacher = build_causal_lm(tokenizer, seed=0), build_causal_lm(tokenizer, seed=1)
     common = dict(beta=beta, temperature=temperature, report_to=[], bf16=False, use_cpu=True, max_steps=1,
@@ -119,7 +148,7 @@ def test_loss_and_gradients_equal_trls(beta, temperature, peft, tmp_path):
     for trainer in trainers:
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1
-        loss = trainer.compute_loss(trainer.model, fixed_batch(tokenizer))
+        loss = trainer.compute_loss(trainer.model, fixed_batch(tokenizer, system_prompt))
         loss.backward()
         losses.append(loss.detach())
         grads.append({n: p.grad for n, p in trainer.model.named_parameters() if p.requires_grad})
@@ -127,6 +156,24 @@ def test_loss_and_gradients_equal_trls(beta, temperature, peft, tmp_path):
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_a_prompt_prefix_common_to_all_rows_is_encoded_once_with_trls_numbers(peft, tmp_path, monkeypatch):
+    """Prompts that begin with the same 3 tokens, left-padded to different lengths: both models encode those tokens
+    in one pass (a batch of 1), the rows run on its cache, and the loss and gradients are still TRL's."""
+    from trl_unified.generation import sharing
+
+    passes = []
+    encode = sharing.encode_prefix
+
+    def recorded(model, ids, mask, length, groups, *args, **kwargs):
+        passes.append((length, groups[0].tolist()))
+        return encode(model, ids, mask, length, groups, *args, **kwargs)
+
+    monkeypatch.setattr(sharing, "encode_prefix", recorded)
+    test_loss_and_gradients_equal_trls(0.5, 0.7, peft, tmp_path, system_prompt=3)
+    assert passes == [(3, [0])] * 2  # student, then teacher: the 3 common tokens, one pass (row 0's)
 
 
 # ------------------------------------------------------------------ training

@@ -11,15 +11,25 @@ vocabulary (both logits divided by the temperature T) and p_S = e^s, p_T = e^t:
 
 Two ways in: `generalized_jsd_loss` on full logits (TRL 1.10's static method, kept for its callers and tests), and
 `token_divergence` on hidden states, chunked over positions, which never holds a `(positions, vocabulary)` tensor
-for more than one chunk: each chunk's logits are recomputed in the backward (`torch.utils.checkpoint`), so the
-forward and the backward peak at one chunk of student and teacher logits.
+for more than one chunk. Where both heads are plain linear layers (`LinearDivergence`), each chunk's gradient is
+computed in the forward from the closed forms below, so the backward recomputes nothing while the loss weighs every
+position alike (the trainers' sum over tokens / N); otherwise each chunk runs under `torch.utils.checkpoint` and its
+logits are recomputed in the backward. Either way the forward and the backward peak at one chunk of logits.
+
+Gradients with respect to the student's scaled logits u = z_S / T (so s = log_softmax(u)):
+
+    beta = 0:   dD/du = p_S - p_T
+    beta = 1:   dD/du = p_S (s - t - D)
+    otherwise:  g = (1 - beta) p_S (s - m),   dD/du = g - p_S sum_v g_v
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .lm_head import apply_logit_transform
+from .lm_head import _WORK_ELEMENTS, apply_logit_transform
 
 
 # Positions per chunk: one chunk's float32 logits stay under this many elements (x 2 models, x a few temporaries).
@@ -101,16 +111,24 @@ def token_divergence(
     student_transform=(1.0, None),
     teacher_transform=(1.0, None),
     chunk_size: int | None = None,
+    linear: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(D, student entropy)` per position, `(B, C)` each, from the final hidden states `(B, C, H)` of both models
-    and their LM heads. Positions are processed `chunk_size` at a time inside `checkpoint`: only each chunk's hidden
-    states are saved, and both chunks of logits (the teacher's without grad) are recomputed in the backward. The
-    entropy carries no gradient."""
+    and their LM heads. With `linear` (`((student weight, scale), (teacher weight, scale))`: both heads plain
+    bias-free linear layers, `HiddenStateHead.linear`), by `LinearDivergence`; otherwise positions are processed
+    `chunk_size` at a time inside `checkpoint`: only each chunk's hidden states are saved, and both chunks of logits
+    (the teacher's without grad) are recomputed in the backward. The entropy carries no gradient."""
     batch, width = student_hidden.shape[:2]
     flat_student = student_hidden.reshape(batch * width, -1)
     flat_teacher = teacher_hidden.reshape(batch * width, -1)
     vocabulary = student_head.weight.size(0)
     chunk_size = chunk_size or max(1, _CHUNK_ELEMENTS // max(1, vocabulary))
+    if linear is not None:
+        (weight, scale), (teacher_weight, teacher_scale) = linear
+        divergence, entropy = LinearDivergence.apply(flat_student, weight, flat_teacher, teacher_weight,
+                                                     scale / temperature, teacher_scale / temperature, beta,
+                                                     chunk_size)  # fmt: skip
+        return divergence.view(batch, width), entropy.view(batch, width)
     divergences, entropies = [], []
     for start in range(0, flat_student.size(0), chunk_size):
         rows = slice(start, start + chunk_size)
@@ -123,3 +141,87 @@ def token_divergence(
         divergences.append(divergence)
         entropies.append(entropy)
     return torch.cat(divergences).view(batch, width), torch.cat(entropies).view(batch, width)
+
+
+class LinearDivergence(torch.autograd.Function):
+    """D and the student's entropy of `u = factor * hidden @ weight.T` against `teacher_factor * teacher_hidden @
+    teacher_weight.T`, chunk by chunk, with the gradient computed in the forward (no autograd graph per chunk, no
+    `(N, V)` tensor beyond a chunk, no logits recomputed in the backward).
+
+    Forward, per chunk of n positions: both logits `(n, V)` in float32, D, the entropy, `du` from the closed forms of
+    the module docstring, then `d hidden_i = factor du_i @ weight` `(N, H)` and `d weight = factor sum_i du_i.T
+    hidden_i` (a frozen head skips it). Backward, with upstream gradients `g` `(N,)`: `d hidden_i` times `g_i`, and
+    `d weight` times `g` where `g` is the same at every position (a sum or mean of D over positions, the trainers'
+    loss); any other `g` recomputes the chunks with `g` applied, as a checkpoint would."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, factor, teacher_factor, beta, chunk_size):
+        device = hidden.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.options = (factor, teacher_factor, beta, max(1, min(chunk_size, _WORK_ELEMENTS // max(1, weight.size(0)))))
+        divergence, entropy, grad_hidden, grad_weight = LinearDivergence._run(
+            hidden, weight, teacher_hidden, teacher_weight, ctx.options, *ctx.needs_input_grad[:2]
+        )
+        ctx.save_for_backward(hidden, weight, teacher_hidden, teacher_weight, grad_hidden, grad_weight)
+        ctx.mark_non_differentiable(entropy)
+        return divergence, entropy
+
+    @staticmethod
+    def backward(ctx, grad_divergence, grad_entropy):
+        hidden, weight, teacher_hidden, teacher_weight, grad_hidden, grad_weight = ctx.saved_tensors
+        g = grad_divergence.float()
+        if ctx.needs_input_grad[1] and not bool((g == g[:1]).all()):  # weights differ by position: recompute
+            device, enabled, dtype = ctx.autocast
+            with torch.autocast(device, dtype=dtype, enabled=enabled):
+                _, _, grad_hidden, grad_weight = LinearDivergence._run(
+                    hidden, weight, teacher_hidden, teacher_weight, ctx.options, gradients=True, weight_grad=True, g=g
+                )
+            g = None
+        d_hidden = grad_hidden if g is None else grad_hidden * g[:, None]
+        d_weight = None
+        if ctx.needs_input_grad[1]:
+            d_weight = grad_weight if g is None else grad_weight * g[:1].to(grad_weight.dtype)
+        return d_hidden.to(hidden.dtype), d_weight, None, None, None, None, None, None
+
+    @staticmethod
+    def _run(hidden, weight, teacher_hidden, teacher_weight, options, gradients, weight_grad, g=None):
+        """`(D, entropy, d hidden, d weight)` over all chunks; the gradients (times the per-position `g` when given)
+        only with `gradients` / `weight_grad`, else None."""
+        factor, teacher_factor, beta, chunk_size = options
+        n = hidden.size(0)
+        divergence = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(divergence)
+        grad_hidden = torch.empty(n, hidden.size(1), dtype=torch.float32, device=hidden.device) if gradients else None
+        grad_weight = torch.zeros_like(weight) if weight_grad else None
+        with torch.no_grad():
+            for start in range(0, n, chunk_size):
+                rows = slice(start, start + chunk_size)
+                h = hidden[rows].to(weight.dtype)
+                s = F.log_softmax((h @ weight.T).float().mul_(factor), dim=-1)
+                z_t = (teacher_hidden[rows].to(teacher_weight.dtype) @ teacher_weight.T).float().mul_(teacher_factor)
+                t = F.log_softmax(z_t, dim=-1)
+                del z_t
+                divergence[rows] = jsd_divergence(s, t, beta).sum(-1)
+                p = s.exp()
+                entropy[rows] = -(p * s).sum(-1)
+                if not gradients:
+                    continue
+                du = LinearDivergence._du(s, t, p, divergence[rows], beta)
+                del s, t, p
+                du.mul_(factor if g is None else factor * g[rows, None])
+                du = du.to(weight.dtype)
+                grad_hidden[rows] = du @ weight
+                if grad_weight is not None:
+                    grad_weight.addmm_(du.T, h)
+        return divergence, entropy, grad_hidden, grad_weight
+
+    @staticmethod
+    def _du(s, t, p, divergence, beta):
+        """dD/du `(n, V)` (the module docstring's closed forms), reusing the chunk's buffers."""
+        if beta == 0:
+            return p.sub_(t.exp_())
+        if beta == 1:
+            return p.mul_(s.sub_(t).sub_(divergence[:, None]))
+        mixture = torch.logaddexp(s + math.log1p(-beta), t.add_(math.log(beta)))
+        g = s.sub_(mixture).mul_(p).mul_(1 - beta)
+        return g.sub_(p.mul_(g.sum(-1, keepdim=True)))

@@ -56,6 +56,50 @@ def group_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[
     return first, inverse
 
 
+def common_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int):
+    """The tokens every row's prompt begins with (a chat template's system prompt, a dataset's shared instruction),
+    and a layout that encodes them once for all rows: `(k, order)` with `order` `(B, T)` the column each position
+    reads, so that `x.gather(1, order)` puts each row's first `k` real tokens first, then its left padding, then the
+    rest unmoved (the last `T - k - padding` columns keep their place). With positions counted over the real tokens
+    (`position_ids_from_mask` of the reordered mask) each row computes what it computes unpadded, and
+    `encode_prefix(..., k, ((0,), (0,) * B))` serves all rows from one pass over the `k` tokens.
+
+    None when fewer than 2 rows, a common run shorter than 2 tokens (every prompt keeps its last token out of it:
+    that position predicts the first completion token), or a row whose prompt is not one left-padded span.
+
+    Example:
+    ```python
+    >>> ids = torch.tensor([[0, 7, 8, 5, 1], [7, 8, 6, 2, 1]]); mask = (ids != 0).long()
+    >>> k, order = common_prefix(ids, mask, 4)
+    >>> k, ids.gather(1, order)
+    (2, tensor([[7, 8, 0, 5, 1], [7, 8, 6, 2, 1]]))
+    ```
+    """
+    batch, width = input_ids.shape
+    prompt_mask = attention_mask[:, :prompt_length].bool()
+    starts = prompt_length - prompt_mask.sum(1)  # (B,) each row's first real prompt column
+    columns = torch.arange(width, device=input_ids.device)
+    if batch < 2 or not torch.equal(prompt_mask, columns[:prompt_length] >= starts[:, None]):
+        return None
+    limit = int((prompt_length - starts).min()) - 1
+    if limit < 2:
+        return None
+    real = input_ids.gather(1, starts[:, None] + columns[:limit])  # (B, limit) each row's first real tokens
+    k = int((real == real[:1]).all(0).long().cumprod(0).sum())
+    if k < 2:
+        return None
+    order = torch.where(columns < k, starts[:, None] + columns, columns - k)
+    order = torch.where(columns >= k + starts[:, None], columns.expand(batch, width), order)
+    return k, order
+
+
+def common_prefix_cache(model, input_ids, attention_mask, position_ids, k: int) -> Cache:
+    """`encode_prefix` of the first `k` columns of rows laid out by `common_prefix`: one pass for all rows."""
+    first = torch.zeros(1, dtype=torch.long, device=input_ids.device)
+    inverse = torch.zeros(input_ids.size(0), dtype=torch.long, device=input_ids.device)
+    return encode_prefix(model, input_ids, attention_mask, k, (first, inverse), position_ids)
+
+
 def encode_prefix(model, input_ids, attention_mask, length: int, groups, position_ids=None, expand=True) -> Cache:
     """The KV cache of the first `length` positions, computed once per distinct prompt and indexed out to every row.
 

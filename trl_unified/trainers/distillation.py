@@ -24,7 +24,11 @@ import torch
 from ..core.config import document_fields, option
 from ..core.divergence import generalized_jsd_loss, reduce_divergence, token_divergence
 from ..core.lm_head import HiddenStateHead
+from ..core.logprobs import position_ids_from_mask
 from ..core.reference import prepare_frozen_model
+from ..generation.fallbacks import report_fallback
+from ..generation.packed_weights import packed_linear_weights
+from ..generation.sharing import PrefixSharingUnsupported, cache_kwarg, common_prefix, common_prefix_cache
 from ..models.loading import load_model
 from ..models.token_ids import embedding_rows, mask_padding
 from ..online.config import OnlineConfig
@@ -211,36 +215,64 @@ class DistillationTrainer(OnlineTrainer):
             num_items_in_batch = get("num_items_in_batch").clamp(min=1.0) / self.accelerator.num_processes
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        divergence, entropy = self.token_divergence(model, input_ids, attention_mask, completion_ids.size(1))
+        divergence, entropy = self.token_divergence(model, input_ids, attention_mask, completion_ids.size(1), mask)
         loss = self._reduce_divergence_loss(divergence, completion_mask=mask, num_items_in_batch=num_items_in_batch)
         self.log_metric("entropy", self.masked_global_mean(entropy, mask))
         return loss
 
-    def token_divergence(self, model, input_ids, attention_mask, width: int):
+    def token_divergence(self, model, input_ids, attention_mask, width: int, mask=None):
         """`(D, student entropy)` `(B, C)` for the last `width` tokens: both models' final hidden states
-        (`core/lm_head.py`), then `core.divergence.token_divergence` in chunks. Where either head cannot be applied
-        outside the forward (ZeRO-3 / FSDP shards, a compiled model), from the models' logits instead."""
+        (`core/lm_head.py`), then `core.divergence.token_divergence` in chunks, only at the positions of `mask`
+        `(B, C)` when given (the others read 0: the loss does not read them). Where the rows' prompts begin with the
+        same tokens (a chat template's system prompt) and `args.shared_prefix` allows, both models encode those
+        tokens once for all rows (`generation.sharing.common_prefix`). Where either head cannot be applied outside
+        the forward (ZeRO-3 / FSDP shards, a compiled model), from the models' logits instead."""
         self.teacher_model.eval()
         student = teacher = student_hidden = teacher_hidden = None
         if self.args.chunked_lm_head:
             student, teacher = HiddenStateHead.of(model), HiddenStateHead.of(self.teacher_model)
         if student is not None and teacher is not None:
-            student_hidden = self._hidden(student, input_ids, attention_mask, width)
-            with torch.no_grad():
-                teacher_hidden = self._hidden(teacher, input_ids, attention_mask, width)
+            layout = None
+            where = "distillation forward"
+            if self.uses_shared_prefix(model, where) and self.uses_shared_prefix(self.teacher_model, where):
+                layout = common_prefix(input_ids, attention_mask, input_ids.size(1) - width)
+            # The frozen teacher first, its float32 CPU linear weights packed once for the pass (freed before the
+            # student's activations exist): each product would otherwise repack its weight (generation/packed_weights)
+            with torch.no_grad(), packed_linear_weights(teacher.decoder, input_ids.numel()):
+                teacher_hidden = self._hidden(teacher, input_ids, attention_mask, width, layout)
+            student_hidden = self._hidden(student, input_ids, attention_mask, width, layout)
         if student_hidden is None or teacher_hidden is None:
             return self._divergence_from_logits(model, input_ids, attention_mask, width)
-        return token_divergence(
-            student_hidden, teacher_hidden, student.head, teacher.head,
-            self.args.beta, self.args.temperature, student.transform, teacher.transform,
+        real = None if mask is None or bool(mask.all()) else mask.bool()
+        if real is not None:  # only the positions the loss reads go to the vocabulary
+            student_hidden, teacher_hidden = student_hidden[real][None], teacher_hidden[real][None]
+        linear = (student.linear(), teacher.linear())  # both plain linear heads: the gradient in the forward
+        divergence, entropy = token_divergence(
+            student_hidden, teacher_hidden, student.head, teacher.head, self.args.beta, self.args.temperature,
+            student.transform, teacher.transform, linear=None if None in linear else linear,
         )  # fmt: skip
+        if real is None:
+            return divergence, entropy
+        return tuple(v.new_zeros(real.shape).masked_scatter(real, v[0]) for v in (divergence, entropy))
 
-    def _hidden(self, head: HiddenStateHead, input_ids, attention_mask, width):
+    def _hidden(self, head: HiddenStateHead, input_ids, attention_mask, width, layout=None):
         """The final hidden states `(B, width, H)` that predict the last `width` tokens, or None where they do not
-        reproduce the model's logits."""
+        reproduce the model's logits. With a `common_prefix` layout `(k, order)`, the rows' first `k` tokens are
+        encoded once and the rest of each row runs on that cache (positions counted over real tokens)."""
         input_ids = mask_padding(input_ids, attention_mask, embedding_rows(head.model))
+        kwargs = {"use_cache": False, **head.keep_one()}
+        if layout is not None:
+            k, order = layout
+            input_ids, attention_mask = input_ids.gather(1, order), attention_mask.gather(1, order)
+            positions = position_ids_from_mask(attention_mask)
+            try:
+                cache = common_prefix_cache(head.model, input_ids, attention_mask, positions, k)
+                kwargs.update({"use_cache": True, "position_ids": positions[:, k:], cache_kwarg(head.model): cache})
+                input_ids = input_ids[:, k:]
+            except PrefixSharingUnsupported as e:
+                report_fallback("distillation forward", str(e))
         with self.accelerator.autocast(), head.capture():
-            out = head.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **head.keep_one())
+            out = head.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         if not head.matches(out.logits):
             return None
         return head.hidden[:, -(width + 1) : -1]  # position i predicts completion token i
