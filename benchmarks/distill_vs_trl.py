@@ -1,12 +1,12 @@
 """trl_unified's DistillationTrainer against TRL 1.16's on the workload of `examples/distill.py`: SmolLM2-135M-Instruct
-teaching a 10-layer student built from it, the one-digit addition prompts, 16 completions of at most 16 tokens per
-step, reverse KL (beta = 1), float32, no evaluation.
+teaching a student built from it (`--layers`: 24 of its 30 layers as in the example, or fewer), the one-digit
+addition prompts, 16 completions of at most 16 tokens per step, reverse KL (beta = 1), float32, no evaluation.
 
 Each run trains in its own fresh subprocess (peak RSS is its own), ours then TRL's, `--repeats` times alternating.
 Printed per library: median seconds per step (first step excluded) and peak RSS, then `ratio step_time=X
 peak_rss=Y` (ours / TRL's).
 
-Usage: python benchmarks/distill_vs_trl.py [--steps 8] [--repeats 1] [--threads 2]
+Usage: python benchmarks/distill_vs_trl.py [--steps 8] [--repeats 1] [--threads 2] [--layers 24]
 """
 
 import argparse
@@ -23,7 +23,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_one(library: str, steps: int, out: str) -> None:
+def run_one(library: str, steps: int, out: str, layers: int = 24) -> None:
     sys.path.insert(0, os.path.join(HERE, "..", "examples"))
     import torch
     from arithmetic import problems
@@ -40,7 +40,7 @@ def run_one(library: str, steps: int, out: str) -> None:
     path = smollm2_135m_instruct(use_hub=False)
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     teacher = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    student = build_student(teacher, 10)
+    student = build_student(teacher, layers)
     train, _ = problems(40)
     config = DistillationConfig(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=16, max_completion_length=16, learning_rate=1e-4,
@@ -74,21 +74,23 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--_one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._one:
-        return run_one(args._one, args.steps, args._out)
+        return run_one(args._one, args.steps, args._out, args.layers)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "0"}
     results = {"trl_unified": [], "trl": []}
     for _ in range(args.repeats):
         for library in results:
             out = tempfile.mktemp(suffix=".json")
-            cmd = [sys.executable, __file__, "--_one", library, "--_out", out, "--steps", str(args.steps)]
+            cmd = [sys.executable, __file__, "--_one", library, "--_out", out, "--steps", str(args.steps),
+                   "--layers", str(args.layers)]  # fmt: skip
             subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             results[library].append(json.load(open(out)))
     medians = {lib: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for lib, runs in results.items()}
-    print(f"threads={args.threads} steps={args.steps} repeats={args.repeats}")
+    print(f"threads={args.threads} steps={args.steps} repeats={args.repeats} layers={args.layers}")
     for library, m in medians.items():
         print(f"{library:12s} {m['step_s']:.2f} s/step  peak RSS {m['peak_rss_gb']:.2f} GB")
     ours, theirs = medians["trl_unified"], medians["trl"]

@@ -1,15 +1,17 @@
 # Copyright 2026 The trl_unified authors. Licensed under the Apache License, Version 2.0.
 """Distil SmolLM2-135M-Instruct into a student a third its depth, on the one-digit addition prompts, offline on CPU.
 
-The teacher is SmolLM2-135M-Instruct (`trl_unified.pretrained`, packaged, no Hub). The student is built from the
-teacher's config with fewer layers (`--layers`, default 10 of 30) and the same tokenizer, initialised from the
-teacher's embeddings, final norm and evenly spaced layers. `DistillationTrainer` then trains it on-policy against
-the teacher (reverse KL, beta = 1, TRL's default) on the prompts of `examples/arithmetic.py`. Printed and plotted
-(`outputs/distill/distill_curve.png`): the held-out teacher-student KL (`eval_loss`: the mean per-token
-KL(student || teacher) on the student's own completions of 40 held-out prompts) and the student's held-out accuracy
-(greedy, the last number against a + b), before and after training; the teacher's accuracy for reference.
+The teacher is SmolLM2-135M-Instruct (`trl_unified.pretrained`, packaged, no Hub). The student is the teacher with
+a contiguous block of middle layers dropped (`--layers`, default 24 of 30: the first 12 and the last 12), which
+costs it most of its arithmetic (held-out accuracy 0.075 against the teacher's 0.750). `DistillationTrainer` then
+trains it on-policy against the teacher (reverse KL, beta = 1, TRL's default) on the prompts of
+`examples/arithmetic.py`. Printed and plotted (`outputs/distill/distill_curve.png`): the held-out teacher-student KL
+(`eval_loss`: the mean per-token KL(student || teacher) on the student's own completions of 40 held-out prompts) and
+the student's held-out accuracy (greedy, the last number against a + b), before and after training; the teacher's
+accuracy for reference. Measured (2 cores, 2026-12-05, about 4 minutes): KL 1.246 -> 0.376, accuracy 0.075 -> 0.750
+in 30 steps (0.525 after 10, 0.650 after 20), 5.9 s/step.
 
-    python examples/distill.py [--max_steps 40] [--layers 10] [--output_dir outputs/distill]
+    python examples/distill.py [--max_steps 30] [--layers 24] [--eval_steps 10] [--output_dir outputs/distill]
 """
 
 import argparse
@@ -25,14 +27,18 @@ from arithmetic import ANSWER_EXTRACTOR, last_number, problems  # noqa: E402
 
 
 def build_student(teacher, layers: int):
-    """The teacher's architecture with `layers` decoder layers, copied from evenly spaced teacher layers."""
+    """The teacher's architecture with `layers` decoder layers: the teacher's first `layers // 2` and last
+    `layers - layers // 2`, a contiguous block of middle layers dropped (the layers a model misses least: Men et al.,
+    2024, "ShortGPT", arXiv:2403.03853)."""
     from transformers import AutoModelForCausalLM
 
     config = teacher.config.__class__.from_dict(teacher.config.to_dict())
     config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
     student = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     total = teacher.config.num_hidden_layers
-    keep = [round(i * (total - 1) / max(layers - 1, 1)) for i in range(layers)]
+    keep = [*range(layers // 2), *range(total - (layers - layers // 2), total)]
     state = teacher.state_dict()
     for i, source in enumerate(keep):
         prefix, target = f"model.layers.{source}.", f"model.layers.{i}."
@@ -45,9 +51,9 @@ def build_student(teacher, layers: int):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max_steps", type=int, default=40)
-    parser.add_argument("--layers", type=int, default=10)
-    parser.add_argument("--eval_steps", type=int, default=20)
+    parser.add_argument("--max_steps", type=int, default=30)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--eval_steps", type=int, default=10)
     parser.add_argument("--output_dir", default="outputs/distill")
     args = parser.parse_args(argv)
 

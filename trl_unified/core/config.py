@@ -169,7 +169,9 @@ class PolicyConfig(TrainingArguments):
         None,
         "trl_unified only. Encode a prompt once for all the rows that repeat it (Prefix Grouper, arXiv:2506.05433): "
         "the G completions of an online group (generation, reference / old-log-prob forwards, the policy forward with "
-        "grad), the chosen and rejected completions of a preference pair. The same numbers with less compute. None "
+        "grad), the chosen and rejected completions of a preference pair; in distillation, the prompt prefix common "
+        "to all rows (a chat template's system prompt), for the student and the teacher. The same numbers with less "
+        "compute. None "
         "(auto): wherever the model and inputs allow it (decoder-only, no image inputs, no gradient checkpointing in "
         "the grad pass; an info log line names any fallback); True: the same, but an unsupported model raises at "
         "construction; False: off.",
