@@ -125,9 +125,12 @@ def token_divergence(
     chunk_size = chunk_size or max(1, _CHUNK_ELEMENTS // max(1, vocabulary))
     if linear is not None:
         (weight, scale), (teacher_weight, teacher_scale) = linear
-        divergence, entropy = LinearDivergence.apply(flat_student, weight, flat_teacher, teacher_weight,
-                                                     scale / temperature, teacher_scale / temperature, beta,
-                                                     chunk_size)  # fmt: skip
+        arguments = (flat_student, weight, flat_teacher, teacher_weight, scale / temperature,
+                     teacher_scale / temperature, beta, chunk_size)  # fmt: skip
+        if torch.is_grad_enabled():
+            divergence, entropy = LinearDivergence.apply(*arguments)
+        else:  # evaluation: no gradient to compute
+            divergence, entropy = LinearDivergence._run(*arguments[:4], arguments[4:], False, False)[:2]
         return divergence.view(batch, width), entropy.view(batch, width)
     divergences, entropies = [], []
     for start in range(0, flat_student.size(0), chunk_size):
