@@ -77,11 +77,12 @@ def test_config_fields_are_documented_once():
 
 
 # use_vllm, use_transformers_continuous_batching and the bad config values are cases of tests/test_bad_input.py.
-def test_use_vllm_without_vllm_names_the_extra_and_vllm_only_fields_are_ignored(tmp_path):
+def test_use_vllm_without_vllm_names_the_extra_and_vllm_only_fields_are_ignored(llama_path, tmp_path):
     if vllm_available():
         pytest.skip("vLLM is installed here (the vllm group covers use_vllm=True)")
+    args = rloo_args(tmp_path, use_vllm=True)  # a config builds anywhere, as TRL's
     with pytest.raises(ImportError, match=r"needs vLLM, which is not installed: pip install 'trl_unified\[vllm\]'"):
-        RLOOConfig(output_dir=str(tmp_path), use_vllm=True)
+        RLOOTrainer(llama_path, varied_reward, args=args, train_dataset=prompt_dataset())  # before any training
     assert RLOOConfig(output_dir=str(tmp_path), vllm_mode="server").vllm_mode == "server"  # warned, no effect
 
 
