@@ -132,10 +132,12 @@ def test_pairs_are_ranked_by_reward_and_the_loss_is_dpos(tokenizer, tmp_path):
 
 @pytest.mark.slow
 def test_online_dpo_learns_the_toy_reward(tokenizer, tmp_path):
+    """count_a is sparse: most pairs tie at 0 (the first then counts as chosen, as TRL), so the signal comes from the
+    few pairs that differ; at lr 3e-3 60 steps move the score 0.01 -> 0.03, at 1e-2 to about 0.88 (seeds 0-2)."""
     args = tiny_run_args(OnlineDPOConfig, tmp_path, per_device_train_batch_size=8, max_new_tokens=12, max_steps=60,
-                         learning_rate=3e-3, beta=0.1, temperature=1.0)  # fmt: skip
+                         learning_rate=1e-2, beta=0.1, temperature=1.0)  # fmt: skip
     trainer = OnlineDPOTrainer(build_causal_lm(tokenizer), reward_funcs=count_a, args=args,
                                train_dataset=prompt_dataset(64), processing_class=tokenizer)  # fmt: skip
     trainer.train()
     scores = [log["objective/scores"] for log in trainer.state.log_history if "objective/scores" in log]
-    assert mean(scores[-10:]) > mean(scores[:10]) + 0.1, scores
+    assert mean(scores[-10:]) > mean(scores[:10]) + 0.5, scores

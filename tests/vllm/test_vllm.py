@@ -22,7 +22,7 @@ from peft import LoraConfig
 
 from tests.distributed.test_multiprocess import ROOT, launch
 from tests.helpers import PROMPTS, UNSET, count_a, grpo_args, prompt_dataset, rloo_args, tiny_run_args, varied_reward
-from trl_unified import GRPOTrainer, PPOConfig, PPOTrainer, RLOOTrainer
+from trl_unified import GRPOTrainer, OnlineDPOConfig, OnlineDPOTrainer, PPOConfig, PPOTrainer, RLOOTrainer
 from trl_unified.generation import generate_batched
 from trl_unified.testing import build_causal_lm, build_sequence_classifier, save_tiny_model
 
@@ -150,6 +150,27 @@ def test_server_mode_trains_syncs_and_shuts_down(tokenizer, tmp_path):
         assert_trained_and_equal(trainer, tokenizer, before)
         assert (tmp_path / "grpo" / "vllm-weights" / "model.safetensors").exists()  # what the server reloaded
     assert server.returncode is not None and not group_alive(server.pid)  # the server and its engine are gone
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_online_dpo_trains_on_vllm_and_ends_equal_to_generate(mode, tokenizer, tmp_path):
+    """TRL's two vLLM tests of its online DPO suite (colocate, server), through our engine: pairs sampled by vLLM,
+    the policy trained, and vLLM's greedy output after training equal to transformers' `generate`."""
+    model = build_causal_lm(tokenizer, "qwen2", hidden_size=HIDDEN, seed=2)
+    with contextlib.ExitStack() as stack:
+        server_args = {}
+        if mode == "server":
+            port, _ = stack.enter_context(vllm_server(model, tokenizer, tmp_path))
+            server_args = dict(vllm_server_host="127.0.0.1", vllm_server_port=port, vllm_server_timeout=240)
+        args = tiny_run_args(OnlineDPOConfig, tmp_path / "online_dpo", use_vllm=True, vllm_mode=mode, max_steps=2,
+                             per_device_train_batch_size=2, max_new_tokens=8, **server_args)  # fmt: skip
+        trainer = OnlineDPOTrainer(model, reward_funcs=varied_reward, args=args, train_dataset=prompt_dataset(),
+                                   processing_class=tokenizer)  # fmt: skip
+        assert trainer.use_vllm and trainer.vllm_mode == mode
+        before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+        trainer.train()
+        assert_trained_and_equal(trainer, tokenizer, before)
+        assert [log["step"] for log in trainer.state.log_history if "loss" in log] == [1, 2]
 
 
 # ------------------------------------------------------------------ learning
