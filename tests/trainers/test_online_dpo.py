@@ -114,6 +114,7 @@ def test_pairs_are_ranked_by_reward_and_the_loss_is_dpos(tokenizer, tmp_path):
     args = tiny_run_args(OnlineDPOConfig, tmp_path, per_device_train_batch_size=2, max_new_tokens=4, beta=0.5)
     trainer = OnlineDPOTrainer(build_causal_lm(tokenizer), reward_funcs=count_a, args=args,
                                train_dataset=prompt_dataset(), processing_class=tokenizer)  # fmt: skip
+    assert (trainer.use_vllm, trainer.vllm_mode) == (False, None)  # TRL's online DPO attributes (GRPO: "colocate")
     with torch.no_grad():  # the policy away from the reference, so the log-ratios differ
         for parameter in trainer.model.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))

@@ -91,6 +91,7 @@ def test_training_changes_every_parameter_and_logs_trl_metrics(llama_path, tmp_p
     trainer = RLOOTrainer(
         llama_path, varied_reward, args=rloo_args(tmp_path, beta=0.1, max_steps=3), train_dataset=prompt_dataset()
     )
+    assert (trainer.use_vllm, trainer.vllm_mode) == (False, "colocate")  # TRL's attributes (plain, assignable)
     before = {n: p.clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     for name, p in trainer.model.named_parameters():

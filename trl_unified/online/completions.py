@@ -45,7 +45,8 @@ class CompletionsMixin:
         """The completions of `prompts` (one per prompt; the sampler already repeats each num_generations times):
         from `rollout_func` when given, else the policy's generation; then, with tools, the multi-turn tool loop
         (each row's tools bound to its environment instance in `environments`)."""
-        prompts, row_tools = copy.deepcopy(prompts), self._row_tools(len(prompts), environments)
+        prompts = copy.deepcopy(prompts)
+        row_tools = self._row_tools(len(prompts), environments) if self.tools else [self.tools] * len(prompts)
         sampling = dict(do_sample=do_sample, max_new_tokens=max_new_tokens)
         extra_fields: dict[str, Any] = {}
         if self.rollout_func is not None:

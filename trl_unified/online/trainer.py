@@ -126,6 +126,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         self._setup_agents()
         self.rewards = self.build_rewards()
         self._check_prompt_lengths()
+        self.use_vllm, self.vllm_mode = self.args.use_vllm, self.vllm_mode_of(self.args)  # TRL's attributes
         # vLLM (use_vllm=True): one generation engine for training, evaluation and the tool loop (docs/vllm.md)
         self.vllm_engine = (
             VLLMEngine.from_args(self.args, self.model, self.accelerator) if self.args.use_vllm else None
@@ -200,12 +201,14 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
     def _shuffle_unit(self) -> int:
         return self.num_generations if self.shuffles_groups else 1
 
+    @staticmethod
+    def vllm_mode_of(args) -> str | None:
+        """TRL's `trainer.vllm_mode` (GRPO, RLOO: the config's, also with vLLM off)."""
+        return args.vllm_mode
+
     def group_size(self, mode: str) -> int:
         """G: the completions per prompt of `mode`'s generation batches (contiguous groups of G rows)."""
         return self.num_generations if mode == "train" else self.num_generations_eval
-
-    use_vllm = property(lambda self: self.args.use_vllm)  # TRL's attributes
-    vllm_mode = property(lambda self: self.args.vllm_mode if self.args.use_vllm else None)
 
     @property
     def beta(self) -> float:

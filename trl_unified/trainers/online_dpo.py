@@ -100,6 +100,10 @@ class OnlineDPOTrainer(OnlineTrainer):
             callbacks, optimizers, peft_config=peft_config, ref_model=ref_model, **online_kwargs,
         )  # fmt: skip
 
+    @staticmethod
+    def vllm_mode_of(args) -> str | None:
+        return args.vllm_mode if args.use_vllm else None  # TRL's online DPO: None with vLLM off
+
     @property
     def beta(self) -> float:
         beta = self.args.beta
