@@ -76,21 +76,10 @@ def _common(tokenizer, hidden_size, num_layers):
 def build_causal_lm(tokenizer, arch: str = "qwen2", hidden_size: int = 32, num_layers: int = 2, seed: int = 0):
     """A randomly initialised causal LM of `arch` ("qwen2", "llama" or "qwen3")."""
     import torch
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
+    import transformers
 
-    classes = {
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-    }
-    config_cls, model_cls = classes[arch]
+    prefix = {"qwen2": "Qwen2", "llama": "Llama", "qwen3": "Qwen3"}[arch]
+    config_cls, model_cls = (getattr(transformers, prefix + suffix) for suffix in ("Config", "ForCausalLM"))
     torch.manual_seed(seed)
     model = model_cls(config_cls(**_common(tokenizer, hidden_size, num_layers)))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -163,20 +152,7 @@ def build_vision_language_model(words: list[str] | None = None, seed: int = 0, v
     processor = _build_vision_processor(words, video)
     tokenizer = processor.tokenizer
     ids = tokenizer.convert_tokens_to_ids
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    text = dict(_common(tokenizer, 32, 2), rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
     vision = dict(
         depth=1,
         embed_dim=32,
@@ -213,18 +189,8 @@ def _build_vision_processor(words: list[str] | None, video: bool):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = build_tokenizer(words)
-    tokenizer.add_special_tokens(
-        {
-            "additional_special_tokens": [
-                "<|im_start|>",
-                "<|im_end|>",
-                "<|vision_start|>",
-                "<|vision_end|>",
-                "<|image_pad|>",
-                "<|video_pad|>",
-            ]
-        }
-    )
+    special = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
     tokenizer.chat_template = VL_CHAT_TEMPLATE
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2

@@ -52,21 +52,14 @@ class TruncationConfig:
             raise ValueError(f"truncation_mode={self.truncation_mode!r} is not one of ['keep_end', 'keep_start'].")
 
 
-def _has_accelerator() -> bool:
-    import torch
-
-    xpu = hasattr(torch, "xpu") and torch.xpu.is_available()
-    mps = hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
-    return torch.cuda.is_available() or xpu or mps
-
-
-def _has_bf16_accelerator() -> bool:
+def _has_accelerator(bf16: bool = False) -> bool:
+    """A CUDA (bf16-capable, with `bf16`), XPU or MPS device is available."""
     import torch
     from transformers.utils import is_torch_bf16_gpu_available
 
     xpu = hasattr(torch, "xpu") and torch.xpu.is_available()
     mps = hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
-    return is_torch_bf16_gpu_available() or xpu or mps
+    return (is_torch_bf16_gpu_available() if bf16 else torch.cuda.is_available()) or xpu or mps
 
 
 @document_fields
@@ -207,7 +200,7 @@ class PolicyConfig(TrainingArguments):
 
     def __post_init__(self):
         if self.bf16 is None:
-            self.bf16 = not self.fp16 and (self.use_cpu or _has_bf16_accelerator())
+            self.bf16 = not self.fp16 and (self.use_cpu or _has_accelerator(bf16=True))
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
             # Launched on several processes without any accelerator: without use_cpu, accelerate would run each
             # process as an independent single-process job. Use gloo across CPU processes instead.

@@ -40,23 +40,21 @@ def pad(
     return out
 
 
+def _media(row: dict[str, Any], plural: str, single: str) -> list | None:
+    if row.get(plural) is not None:
+        return list(row[plural]) or None
+    return [row[single]] if row.get(single) is not None else None
+
+
 def get_images(row: dict[str, Any]) -> list | None:
     """The images of a row (`images` list or single `image`), or None."""
-    if row.get("images") is not None:
-        return list(row["images"]) or None
-    if row.get("image") is not None:
-        return [row["image"]]
-    return None
+    return _media(row, "images", "image")
 
 
 def get_videos(row: dict[str, Any]) -> list | None:
     """The videos of a row (`videos` list or single `video`), or None. A video is a path, an array of frames
     `(T, H, W, C)`, or a list of frames (PIL images or `(H, W, C)` arrays)."""
-    if row.get("videos") is not None:
-        return list(row["videos"]) or None
-    if row.get("video") is not None:
-        return [row["video"]]
-    return None
+    return _media(row, "videos", "video")
 
 
 def column_names(dataset) -> list[str] | None:
@@ -120,25 +118,17 @@ def tokenize_prompt_completion(
     tokenizer = get_tokenizer(processing_class)
     kwargs = chat_template_kwargs or {}
     if is_conversational_prompt(completion) or is_conversational_prompt(prompt):
-        prompt_ids = (
-            list(
-                tokenizer.apply_chat_template(
-                    prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs
-                )["input_ids"]
-            )
-            if prompt
-            else []
-        )
-        full_ids = list(
-            tokenizer.apply_chat_template(
-                list(prompt or []) + list(completion), tokenize=True, return_dict=True, **kwargs
-            )["input_ids"]
-        )
+
+        def render(messages, **options):
+            encoded = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **options, **kwargs)
+            return list(encoded["input_ids"])
+
+        prompt_ids = render(prompt, add_generation_prompt=True) if prompt else []
+        full_ids = render(list(prompt or []) + list(completion))
         if full_ids[: len(prompt_ids)] != prompt_ids:
             raise ValueError(
                 "The chat template renders the prompt with add_generation_prompt=True differently from the start "
-                "of the "
-                "full conversation, so the judgment's tokens cannot be separated from the prompt's. Use a chat "
+                "of the full conversation, so the judgment's tokens cannot be separated from the prompt's. Use a chat "
                 "template whose generation prompt is a prefix of the assistant turn."
             )
         return prompt_ids, full_ids[len(prompt_ids) :]

@@ -163,11 +163,3 @@ def encode_visual_prompts(processing_class, texts: list[str], images: list[list]
         else:
             visual_inputs[key] = value
     return EncodedPrompts([row[m].tolist() for row, m in zip(ids, keep, strict=True)], token_inputs, visual_inputs)
-
-
-def row_images(row: dict[str, Any]) -> list:
-    return list(get_images(row) or [])
-
-
-def row_videos(row: dict[str, Any]) -> list:
-    return list(get_videos(row) or [])

@@ -25,11 +25,7 @@ from .options import (
 )
 from .output import GenerationOutput, build_output, cut_after_eos
 from .packed_weights import MIN_NEW_TOKENS, packed_linear_weights
-from .prompts import (
-    collate_chunk,
-    encode_for_generation,
-    padding_token_id,
-)
+from .prompts import collate_chunk, encode_for_generation, padding_token_id
 from .sharing import chunk_groups, generation_prefix_cache
 from .unwrap import sharded_parameters, unwrap_for_generation
 

@@ -42,26 +42,9 @@ _GENERATE = GenerationMixin.generate  # transformers' own, as imported: a later 
 
 # Generation options the lean loop implements; setting any other one to a non-default value selects `generate`.
 SUPPORTED_OPTIONS = frozenset(
-    {
-        "max_new_tokens",
-        "max_length",
-        "do_sample",
-        "temperature",
-        "top_k",
-        "top_p",
-        "min_p",
-        "repetition_penalty",
-        "pad_token_id",
-        "bos_token_id",
-        "eos_token_id",
-        "decoder_start_token_id",
-        "cache_implementation",
-        "use_cache",
-        "disable_compile",
-        "compile_config",
-        "transformers_version",
-        "_from_model_config",
-    }
+    "max_new_tokens max_length do_sample temperature top_k top_p min_p repetition_penalty pad_token_id bos_token_id "
+    "eos_token_id decoder_start_token_id cache_implementation use_cache disable_compile compile_config "
+    "transformers_version _from_model_config".split()
 )
 
 
@@ -108,11 +91,7 @@ def unsupported_reason(model, generation_config: GenerationConfig | None, model_
     if type(base) in _unsupported_models:
         return _unsupported_models[type(base)]
     generation_config = effective_generation_config(model, generation_config)
-    options = {
-        name
-        for name, value in generation_config.to_dict().items()
-        if name not in SUPPORTED_OPTIONS and not _neutral(name, value)
-    }
+    options = {n for n, v in generation_config.to_dict().items() if n not in SUPPORTED_OPTIONS and not _neutral(n, v)}
     if options:
         return f"the generation config sets {', '.join(sorted(options))}"
     if generation_config.cache_implementation not in (None, "dynamic"):

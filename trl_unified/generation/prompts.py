@@ -186,12 +186,8 @@ def check_prompt_ids(model, encoded, tokenizer=None) -> None:
     """Raise when a prompt holds a token id beyond the model's embedding table (e.g. a token added to the tokenizer
     without `resize_token_embeddings`), naming the prompt, the id and the table size."""
     rows = embedding_rows(model)
-    if rows is None or not encoded:
-        return
     for i, e in enumerate(encoded):
-        ids = torch.as_tensor(e["input_ids"]).view(-1)
-        if ids.numel() and (int(ids.max()) >= rows or int(ids.min()) < 0):
-            check_ids_in_table(ids, None, rows, f"Prompt {i}", tokenizer=tokenizer)
+        check_ids_in_table(torch.as_tensor(e["input_ids"]).view(-1), None, rows, f"Prompt {i}", tokenizer=tokenizer)
 
 
 def is_sequence_aligned(value, input_ids) -> bool:

@@ -221,26 +221,11 @@ def sharing_obstacle(
     return reason
 
 
-def may_share_prefix(
-    where: str,
-    model,
-    extra_inputs: dict | None = None,
-    *,
-    router_logits=False,
-    generation_config=None,
-    continuous_batching=False,
-    obstacle: str | None = None,
-) -> bool:
+def may_share_prefix(where: str, model, extra_inputs: dict | None = None, *, obstacle=None, **conditions) -> bool:
     """Whether `where` (e.g. "generation", "log-prob forward") may encode repeated prompts once: no
-    `sharing_obstacle` and no caller's `obstacle`; otherwise the reason is reported once (`report_fallback`)."""
-    reason = sharing_obstacle(
-        model,
-        extra_inputs,
-        router_logits=router_logits,
-        generation_config=generation_config,
-        continuous_batching=continuous_batching,
-    )
-    reason = reason or obstacle
+    `sharing_obstacle` (`conditions`: its keywords) and no caller's `obstacle`; otherwise the reason is reported once
+    (`report_fallback`)."""
+    reason = sharing_obstacle(model, extra_inputs, **conditions) or obstacle
     if reason is not None:
         report_fallback(where, reason)
     return reason is None

@@ -20,16 +20,8 @@ def generate_chunk(
     With a `prefix_cache` of every prompt position but the last (`sharing.generation_prefix_cache`), `generate`
     prefills the last position only.
     """
-    if prefix_cache is not None:
-        sequences = model.generate(
-            input_ids=chunk["input_ids"],
-            attention_mask=chunk["attention_mask"],
-            generation_config=generation_config,
-            **{cache_kwarg(model): prefix_cache},
-        )
-    else:
-        sequences = model.generate(**chunk, generation_config=generation_config)
-    return sequences, None
+    cache = {cache_kwarg(model): prefix_cache} if prefix_cache is not None else {}  # chunk: ids and mask only then
+    return model.generate(**chunk, generation_config=generation_config, **cache), None
 
 
 @torch.no_grad()

@@ -74,26 +74,24 @@ def named_weights(model, accelerator=None) -> Iterator[tuple[str, torch.Tensor]]
     unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
     unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
     is_peft = is_peft_model(unwrapped)
-    with _full_parameters(unwrapped, accelerator, everything=is_peft):
-        merged = contextlib.nullcontext()
-        if is_peft:
-            merged = _merged_adapter(unwrapped)
-        with merged:
-            adapter_prefix = getattr(unwrapped, "prefix", "lora_") if is_peft else None
-            for name, param in unwrapped.named_parameters():
-                if is_peft:
-                    name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-                    if adapter_prefix in name or "original_module" in name:
-                        continue
-                if name.startswith(CRITIC_PREFIX):  # PPO's critic rides on the policy (online/critic.py)
+    gather_each = _deepspeed_zero3(accelerator) and not is_peft  # ZeRO-3: one parameter at a time (PEFT: all at once)
+    merged = _merged_adapter(unwrapped) if is_peft else contextlib.nullcontext()
+    with _full_parameters(unwrapped, accelerator, everything=is_peft), merged:
+        adapter_prefix = getattr(unwrapped, "prefix", "lora_") if is_peft else None
+        for name, param in unwrapped.named_parameters():
+            if is_peft:
+                name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+                if adapter_prefix in name or "original_module" in name:
                     continue
-                with _one_full_parameter(param, accelerator, skip=is_peft):
-                    tensor = param.data
-                    if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor
-                        tensor = tensor.full_tensor()
-                    elif _deepspeed_zero3(accelerator):  # the gathered storage is released when the context exits
-                        tensor = tensor.clone()
-                    yield _vllm_name(name), tensor
+            if name.startswith(CRITIC_PREFIX):  # PPO's critic rides on the policy (online/critic.py)
+                continue
+            with zero3_gathered([param]) if gather_each else contextlib.nullcontext():
+                tensor = param.data
+                if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor
+                    tensor = tensor.full_tensor()
+                elif _deepspeed_zero3(accelerator):  # the gathered storage is released when the context exits
+                    tensor = tensor.clone()
+                yield _vllm_name(name), tensor
 
 
 @contextlib.contextmanager
@@ -117,15 +115,6 @@ def _full_parameters(model, accelerator, everything: bool):
     wrapped = (getattr(accelerator, "_models", None) or [None])[0]
     if FSDP is not None and isinstance(wrapped, FSDP):
         with FSDP.summon_full_params(wrapped, writeback=False):
-            yield
-        return
-    yield
-
-
-@contextlib.contextmanager
-def _one_full_parameter(param, accelerator, skip: bool):
-    if _deepspeed_zero3(accelerator) and not skip:
-        with zero3_gathered([param]):
             yield
         return
     yield
@@ -304,8 +293,6 @@ def _engine_dtype(model) -> str:
 
 
 class VLLMColocateEngine(VLLMEngine):
-    mode = "colocate"
-
     def __init__(self, args, model, accelerator):
         super().__init__(args, args.vllm_structured_outputs_regex, engine_generation_kwargs(args))
         unwrapped = accelerator.unwrap_model(model)
@@ -439,10 +426,7 @@ def write_checkpoint(folder, config, weights, write: bool) -> None:
     process (gathering may be collective); `write` says whether this process writes them."""
     from safetensors.torch import save_file
 
-    tensors = {}
-    for name, tensor in weights:
-        if write:
-            tensors[name] = tensor.detach().to("cpu").contiguous().clone()
+    tensors = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in weights if write}
     if write:
         os.makedirs(folder, exist_ok=True)
         config.save_pretrained(folder)

@@ -186,10 +186,7 @@ class VLLMServerEngine(VLLMEngine):
             write_checkpoint(self.weights_dir, config, weights, write=True)
             with self.lock:
                 self.synced = None
-                self._request(
-                    "POST", "/collective_rpc", self._reload_body(), self.args.weight_sync_timeout, "weight sync"
-                )
-                self._request("POST", "/reset_prefix_cache", None, self.args.weight_sync_timeout, "weight sync")
+                self._reload()
                 self.synced = synced
         except BaseException as error:  # noqa: BLE001 (raised by the next wait_for_sync, or in the producer)
             self.sync_error = error

@@ -49,21 +49,9 @@ def _dataset_names(trainer) -> list[str]:
 
 
 def _versions() -> str:
-    import accelerate
-    import datasets
-    import torch
-    import transformers
-    import trl
-
-    pairs = [
-        ("TRL", trl),
-        ("Transformers", transformers),
-        ("PyTorch", torch),
-        ("Datasets", datasets),
-        ("Accelerate", accelerate),
-    ]
-    own = f"- trl_unified: {importlib.metadata.version('trl_unified')}\n"  # the installed package's version
-    return own + "\n".join(f"- {name}: {module.__version__}" for name, module in pairs)
+    names = {"trl_unified": "trl_unified", "TRL": "trl", "Transformers": "transformers", "PyTorch": "torch",
+             "Datasets": "datasets", "Accelerate": "accelerate"}  # fmt: skip
+    return "\n".join(f"- {label}: {importlib.metadata.version(name)}" for label, name in names.items())
 
 
 def write_model_card(

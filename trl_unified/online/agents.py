@@ -1,19 +1,6 @@
-"""Agents in the online core: tools, environments and the multi-turn tool loop (TRL 1.16's `GRPOTrainer` behaviour,
-for every online trainer).
-
-- **Tools**: Python functions (sync or `async def`) with type hints and a Google-style docstring, rendered into the
-  prompt by the chat template (`tools=`). After each model turn the tool calls are parsed from the completion
-  (`trl.chat_template_utils.parse_response` with the tokenizer's response template), executed, and their results
-  appended as `tool` messages; the model continues until a turn has no tool call, `max_tool_calling_iterations`
-  rounds ran, or `max_completion_length` is spent. An unknown tool, bad arguments or a tool that raises become an
-  error message the model reads (`{'error': ...}`), never a failure of training.
-- **The completion** of a multi-turn rollout is `C1 + S1 + C2 + S2 + ... + Ck`: model turns `Ci` and tool-result
-  tokens `Si` (the chat template's rendering of the tool messages and the next generation prompt). The history is
-  never re-tokenised: the ids the model sampled are the ids it is trained on. `tool_mask` is 1 on model tokens and
-  0 on `Si`; the loss, the KL and the entropy use `completion_mask * tool_mask`.
-- **Environments** (`environment_factory`): one instance per rollout row, pooled across batches; `reset(**row)` may
-  return text appended to the last user message; public methods are the row's tools; `get_reward()` becomes a
-  reward function named after the class (weight 1). A dict of factories routes rows by their `environment` column.
+"""Agents in the online core: tools, environments and their checks (TRL 1.16's `GRPOTrainer` behaviour, for every
+online trainer). The multi-turn loop is `CompletionsMixin._run_tool_loop`; the rules (the completion `C1 + S1 + ... +
+Ck` never re-tokenised, `tool_mask`, errors the model reads, environments per row) are in docs/agents.md.
 """
 
 import asyncio
@@ -22,8 +9,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from trl import add_response_schema, get_training_chat_template, supports_tool_calling
-from trl.chat_template_utils import is_chat_template_prefix_preserving, parse_response
+from trl import add_response_schema, get_training_chat_template
+from trl.chat_template_utils import is_chat_template_prefix_preserving
 
 from ..models.loading import get_tokenizer
 from .rewards import EventLoopThread, is_async_callable
@@ -170,16 +157,6 @@ def _environment_reward(env_type: type) -> Callable:
     return get_reward
 
 
-def check_tool_support(processing_class) -> None:
-    """The chat template must render a tool-calling conversation (TRL's check, made for tools and environments)."""
-    if not supports_tool_calling(processing_class):
-        raise ValueError(
-            "The provided chat template does not support tool calling. The template must be able to render a full "
-            "tool-calling conversation (user -> assistant with tool_calls -> tool). Use a model whose chat template "
-            "has tool support, or set processing_class.chat_template to one (e.g. TRL's qwen2_5 template)."
-        )
-
-
 def prepare_tool_template(processing_class) -> str | None:
     """Set-up for tool calling, as TRL does: the tokenizer gets a response parser if it has none (TRL's templates
     are recognised); a template whose rendering of a conversation is not a prefix of the rendering after a tool turn
@@ -230,14 +207,6 @@ def run_tool_calls(tool_calls: list[dict], tools: list[Callable], event_loop: Ev
     return results, failures
 
 
-def tool_messages(results: list[tuple[str, Any]]) -> list[dict[str, Any]]:
-    """`tool` messages of a turn's results (a list result is content blocks, anything else its `str`)."""
-    return [
-        {"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
-        for name, result in results
-    ]
-
-
 def tool_suffix_ids(processing_class, messages, chat_template, template_kwargs) -> list[int]:
     """Token ids the chat template puts after a model turn that called tools: the tool messages and the next
     generation prompt. Rendered on a minimal conversation (the suffix does not depend on the history), and cut
@@ -254,89 +223,3 @@ def tool_suffix_ids(processing_class, messages, chat_template, template_kwargs) 
     if full[: len(prefix)] != prefix:
         raise ValueError("Unexpected tokenization: the EOS-trimmed prefix IDs are not a prefix of the full IDs.")
     return full[len(prefix) :]
-
-
-def parse_turn(processing_class, ids: list[int], prefix: list[int], tools) -> dict[str, Any]:
-    """The assistant message of a turn (content, and `tool_calls` when the response parser finds valid ones; a turn
-    that does not parse is plain content)."""
-    return parse_response(get_tokenizer(processing_class), ids, prefix=prefix, tools=tools or None)
-
-
-class ToolLoop:
-    """The multi-turn rollout of rows whose first turn was generated: execute tool calls, append the results, let the
-    model continue, until no row calls a tool, `max_iterations` rounds ran, or the completion budget is spent.
-
-    Args:
-        processing_class: the policy's tokenizer or processor.
-        generate (`Callable[[list[list[int]], int], list[list[int]]]`): continuation ids (cut after EOS) of each id
-            list, with at most the given number of new tokens.
-        max_completion_length (`int`): the budget of a whole completion, tool-result tokens included.
-        max_positions (`int`, *optional*): the model's context length.
-        max_iterations (`int`, *optional*): tool rounds at most (None: unlimited).
-        chat_template (`str`, *optional*): the training chat template, when the model's own is not prefix-preserving.
-        template_kwargs (`dict`): `chat_template_kwargs`.
-        event_loop (`EventLoopThread`, *optional*): where async tools run.
-    """
-
-    def __init__(
-        self,
-        processing_class,
-        generate,
-        max_completion_length,
-        max_positions=None,
-        max_iterations=None,
-        chat_template=None,
-        template_kwargs=None,
-        event_loop=None,
-    ):
-        self.processing_class, self.generate = processing_class, generate
-        self.budget, self.max_positions = max_completion_length, max_positions
-        self.max_iterations = max_iterations if max_iterations is not None else float("inf")
-        self.chat_template, self.template_kwargs = chat_template, dict(template_kwargs or {})
-        self.event_loop = event_loop
-
-    def run(self, prompt_ids, completion_ids, completions, row_tools):
-        """Continue every row whose last turn called tools. `prompt_ids`/`completion_ids`: lists of id lists;
-        `completions`: per row, the list of messages so far (one parsed assistant turn). Returns
-        `(completion_ids, tool_mask, completions, calls, failures)`, lists extended in place."""
-        tool_mask = [[1] * len(ids) for ids in completion_ids]
-        active = [i for i, messages in enumerate(completions) if messages[-1].get("tool_calls")]
-        calls = failures = iteration = 0
-        while active and iteration < self.max_iterations:
-            continued, contexts = [], []
-            for i in active:
-                tool_calls = completions[i][-1]["tool_calls"]
-                calls += len(tool_calls)
-                results, failed = run_tool_calls(tool_calls, row_tools[i], self.event_loop)
-                failures += failed
-                messages = tool_messages(results)
-                context = prompt_ids[i] + completion_ids[i] + self._suffix(messages)
-                length = len(context) - len(prompt_ids[i])
-                if length > self.budget or (self.max_positions is not None and len(context) >= self.max_positions):
-                    continue  # no room for another turn: the row ends with its tool call (TRL's rule)
-                completions[i].extend(messages)
-                continued.append(i)
-                contexts.append(context)
-            if not continued:
-                break
-            room = [self.budget - (len(c) - len(prompt_ids[i])) for i, c in zip(continued, contexts, strict=True)]
-            new_tokens = max(room)
-            if self.max_positions is not None:
-                new_tokens = min(new_tokens, self.max_positions - max(len(c) for c in contexts))
-            turns = self.generate(contexts, max(new_tokens, 1))
-            active = []
-            for i, context, ids, limit in zip(continued, contexts, turns, room, strict=True):
-                ids = ids[: max(limit, 0)]
-                suffix = len(context) - len(prompt_ids[i]) - len(completion_ids[i])
-                tool_mask[i] += [0] * suffix + [1] * len(ids)
-                completion_ids[i] = context[len(prompt_ids[i]) :] + ids
-                message = parse_turn(self.processing_class, ids, context, row_tools[i]) if ids else {}
-                if message:
-                    completions[i].append(message)
-                    if message.get("tool_calls"):
-                        active.append(i)
-            iteration += 1
-        return completion_ids, tool_mask, completions, calls, failures
-
-    def _suffix(self, messages):
-        return tool_suffix_ids(self.processing_class, messages, self.chat_template, self.template_kwargs)

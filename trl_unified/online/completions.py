@@ -6,10 +6,11 @@ import copy
 from typing import Any, NamedTuple
 
 from trl import is_conversational
+from trl.chat_template_utils import parse_response
 
 from ..generation import GenerationOutput, max_positions
 from ..models.loading import get_tokenizer
-from .agents import ToolLoop, parse_turn
+from .agents import run_tool_calls, tool_suffix_ids
 
 
 class SampledCompletions(NamedTuple):
@@ -46,7 +47,9 @@ class CompletionsMixin:
         from `rollout_func` when given, else the policy's generation; then, with tools, the multi-turn tool loop
         (each row's tools bound to its environment instance in `environments`)."""
         prompts = copy.deepcopy(prompts)
-        row_tools = self._row_tools(len(prompts), environments) if self.tools else [self.tools] * len(prompts)
+        row_tools = [self.tools] * len(prompts)
+        if self._env is not None:
+            row_tools = self._env.row_tools(environments if environments is not None else self._env.instances)
         sampling = dict(do_sample=do_sample, max_new_tokens=max_new_tokens)
         extra_fields: dict[str, Any] = {}
         if self.rollout_func is not None:
@@ -67,20 +70,9 @@ class CompletionsMixin:
         completions = self._parse_completions(prompts, prompt_ids, completion_ids, row_tools)
         tool_mask, calls, failures = extra_fields.pop("env_mask", None) if not self.tools else None, 0, 0
         if self.tools:
-            loop = ToolLoop(
-                self.processing_class,
-                lambda contexts, new_tokens: (
-                    self.generate(contexts, do_sample=do_sample, max_new_tokens=new_tokens).completion_ids_list
-                ),
-                max_new_tokens or self.args.max_completion_length,
-                max_positions(self.accelerator.unwrap_model(self.model)),
-                self.max_tool_calling_iterations,
-                self.chat_template,
-                self.args.chat_template_kwargs,
-                self._event_loop,
-            )
-            completion_ids, tool_mask, completions, calls, failures = loop.run(
-                prompt_ids, completion_ids, completions, row_tools
+            budget = max_new_tokens or self.args.max_completion_length
+            completion_ids, tool_mask, completions, calls, failures = self._run_tool_loop(
+                prompt_ids, completion_ids, completions, row_tools, do_sample, budget
             )
         out = GenerationOutput.from_token_lists(
             prompt_ids,
@@ -110,11 +102,6 @@ class CompletionsMixin:
         extra = {k: v for k, v in output.items() if k not in ("prompt_ids", "completion_ids", "logprobs")}
         return [list(p) for p in output["prompt_ids"]], [list(c) for c in output["completion_ids"]], extra
 
-    def _row_tools(self, n: int, environments=None) -> list[list]:
-        if self._env is None:
-            return [self.tools] * n
-        return self._env.row_tools(environments if environments is not None else self._env.instances)
-
     def _tokenize_with_tools(self, prompts, row_tools) -> list[list[int]]:
         """Each prompt rendered with its row's tools (and the training chat template, when one is needed)."""
         if not is_conversational({"prompt": prompts[0]}):
@@ -122,19 +109,12 @@ class CompletionsMixin:
                 "Tools need conversational prompts (lists of messages): the chat template renders the tools. Turn "
                 "plain prompts into [{'role': 'user', 'content': prompt}]."
             )
-        template_kwargs = dict(self.args.chat_template_kwargs or {})
+        render = dict(
+            add_generation_prompt=True, tokenize=True, return_dict=True, **(self.args.chat_template_kwargs or {})
+        )
+        apply = self.processing_class.apply_chat_template
         return [
-            list(
-                self.processing_class.apply_chat_template(
-                    [prompt],
-                    tools=tools or None,
-                    chat_template=self.chat_template,
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=True,
-                    **template_kwargs,
-                )["input_ids"][0]
-            )
+            list(apply([prompt], tools=tools or None, chat_template=self.chat_template, **render)["input_ids"][0])
             for prompt, tools in zip(prompts, row_tools, strict=True)
         ]
 
@@ -151,9 +131,62 @@ class CompletionsMixin:
             texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
             return [[{"role": "assistant", "content": text}] for text in texts]
         return [
-            [parse_turn(self.processing_class, ids, prefix, tools)]
+            [parse_response(tokenizer, ids, prefix=prefix, tools=tools or None)]
             for ids, prefix, tools in zip(completion_ids, prompt_ids, row_tools, strict=True)
         ]
+
+    def _run_tool_loop(self, prompt_ids, completion_ids, completions, row_tools, do_sample, budget):
+        """The multi-turn rollout of rows whose first turn was generated: execute tool calls, append the results
+        (`tool` messages: a list result is content blocks, anything else its `str`), let the model continue, until no
+        row calls a tool, `max_tool_calling_iterations` rounds ran, or the completion budget (tool-result tokens
+        included) is spent. Returns `(completion_ids, tool_mask, completions, calls, failures)`, lists extended in
+        place."""
+        tokenizer, template_kwargs = get_tokenizer(self.processing_class), dict(self.args.chat_template_kwargs or {})
+        context_length = max_positions(self.accelerator.unwrap_model(self.model))
+        rounds = self.max_tool_calling_iterations if self.max_tool_calling_iterations is not None else float("inf")
+        tool_mask = [[1] * len(ids) for ids in completion_ids]
+        active = [i for i, messages in enumerate(completions) if messages[-1].get("tool_calls")]
+        calls = failures = iteration = 0
+        while active and iteration < rounds:
+            continued, contexts = [], []
+            for i in active:
+                tool_calls = completions[i][-1]["tool_calls"]
+                calls += len(tool_calls)
+                results, failed = run_tool_calls(tool_calls, row_tools[i], self._event_loop)
+                failures += failed
+                messages = [
+                    {"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
+                    for name, result in results
+                ]
+                suffix = tool_suffix_ids(self.processing_class, messages, self.chat_template, template_kwargs)
+                context = prompt_ids[i] + completion_ids[i] + suffix
+                if len(context) - len(prompt_ids[i]) > budget or (
+                    context_length is not None and len(context) >= context_length
+                ):
+                    continue  # no room for another turn: the row ends with its tool call (TRL's rule)
+                completions[i].extend(messages)
+                continued.append(i)
+                contexts.append(context)
+            if not continued:
+                break
+            room = [budget - (len(c) - len(prompt_ids[i])) for i, c in zip(continued, contexts, strict=True)]
+            new_tokens = max(room)
+            if context_length is not None:
+                new_tokens = min(new_tokens, context_length - max(len(c) for c in contexts))
+            turns = self.generate(contexts, do_sample=do_sample, max_new_tokens=max(new_tokens, 1)).completion_ids_list
+            active = []
+            for i, context, ids, limit in zip(continued, contexts, turns, room, strict=True):
+                ids = ids[: max(limit, 0)]
+                suffix = len(context) - len(prompt_ids[i]) - len(completion_ids[i])
+                tool_mask[i] += [0] * suffix + [1] * len(ids)
+                completion_ids[i] = context[len(prompt_ids[i]) :] + ids
+                message = parse_response(tokenizer, ids, prefix=context, tools=row_tools[i] or None) if ids else {}
+                if message:
+                    completions[i].append(message)
+                    if message.get("tool_calls"):
+                        active.append(i)
+            iteration += 1
+        return completion_ids, tool_mask, completions, calls, failures
 
 
 def row_value(values, i):

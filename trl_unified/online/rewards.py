@@ -210,20 +210,14 @@ class RewardFunctions:
                     )
                 elif isinstance(func, TokenIdsRewardModel):
                     values = func(prompts, completions, completion_ids, prompt_token_ids)
-                elif is_async_callable(func):
-                    pending.append(
-                        (
-                            i,
-                            name,
-                            func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs),
-                        )
-                    )
-                    continue
                 else:
                     values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
             except Exception as e:
                 raise RuntimeError(f"Reward function {name!r} raised {e.__class__.__name__}: {e}") from e
-            out[:, i] = torch.tensor(self._check(name, values, n))
+            if is_async_callable(func):  # a coroutine: the async functions run concurrently below
+                pending.append((i, name, values))
+            else:
+                out[:, i] = torch.tensor(self._check(name, values, n))
         if pending:
 
             async def gather_all():

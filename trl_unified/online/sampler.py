@@ -40,17 +40,11 @@ class RepeatSampler(Sampler):
             self.generator.manual_seed(seed)
 
     def __iter__(self) -> Iterator[int]:
-        order = (
-            torch.randperm(self.num_samples, generator=self.generator).tolist()
-            if self.shuffle
-            else range(self.num_samples)
-        )
-        order = list(order)
-        chunks = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        for chunk in (c for c in chunks if len(c) == self.batch_size):
-            for _ in range(self.repeat_count):
-                for index in chunk:
-                    yield from [index] * self.mini_repeat_count
+        order = list(range(self.num_samples))
+        if self.shuffle:
+            order = torch.randperm(self.num_samples, generator=self.generator).tolist()
+        for start in range(0, len(order) - self.batch_size + 1, self.batch_size):
+            yield from _repeated(order[start : start + self.batch_size], self.mini_repeat_count, self.repeat_count)
 
     def __len__(self) -> int:
         return (self.num_samples // self.batch_size) * self.batch_size * self.mini_repeat_count * self.repeat_count
@@ -69,7 +63,12 @@ class RepeatedIterable(torch.utils.data.IterableDataset):
         for row in self.dataset:
             chunk.append(row)
             if len(chunk) == self.prompts_per_batch:
-                for _ in range(self.repeat_count):
-                    for item in chunk:
-                        yield from [item] * self.mini_repeat_count
+                yield from _repeated(chunk, self.mini_repeat_count, self.repeat_count)
                 chunk = []
+
+
+def _repeated(chunk: list, mini_repeat_count: int, repeat_count: int):
+    """The chunk `repeat_count` times, each item `mini_repeat_count` times in a row."""
+    for _ in range(repeat_count):
+        for item in chunk:
+            yield from [item] * mini_repeat_count

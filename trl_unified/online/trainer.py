@@ -17,13 +17,14 @@ Datasets and samplers: `online/datasets.py`; config: `online/config.py`; a learn
 import logging
 import os
 import time
+from operator import attrgetter
 from typing import Any
 
 import torch
 from accelerate.utils import gather, set_seed
 from datasets import IterableDataset
 from transformers.trainer_utils import get_last_checkpoint
-from trl import is_conversational, prepare_multimodal_messages
+from trl import is_conversational, prepare_multimodal_messages, supports_tool_calling
 
 from ..core.logprobs import TokenLogprobs
 from ..core.reference import prepare_frozen_model
@@ -32,7 +33,7 @@ from ..data.datasets import get_images
 from ..generation import GenerationOutput
 from ..generation.vllm_engine import VLLMEngine
 from ..models.loading import cast_lm_head_to_fp32, get_tokenizer
-from .agents import EMPTY_PROMPT, Environments, check_tool, check_tool_support, prepare_tool_template
+from .agents import EMPTY_PROMPT, Environments, check_tool, prepare_tool_template
 from .async_rollouts import AsyncRollouts
 from .completion_log import CompletionLog
 from .completions import CompletionsMixin, row_value
@@ -149,57 +150,29 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         self.tools = list(self._standalone_tools)
         if self._env is not None:
             self.tools += [m for m in self._env.all_methods() if m not in self.tools]
-        if self.tools or factory:
-            check_tool_support(self.processing_class)
+        if (self.tools or factory) and not supports_tool_calling(self.processing_class):
+            raise ValueError(
+                "The provided chat template does not support tool calling. The template must be able to render a "
+                "full tool-calling conversation (user -> assistant with tool_calls -> tool). Use a model whose chat "
+                "template has tool support, or set processing_class.chat_template to one (e.g. TRL's qwen2_5 one)."
+            )
         self.chat_template = prepare_tool_template(self.processing_class) if self.tools else None
         self.max_tool_calling_iterations = self.args.max_tool_calling_iterations
         self._event_loop = EventLoopThread() if any(is_async_callable(t) for t in self.tools) else None
 
-    # ------------------------------------------------------------------ TRL's attributes
-    @property
-    def reward_weights(self) -> torch.Tensor:
-        return self.rewards.weights
-
-    @property
-    def environment_factories(self) -> dict | None:
-        return self._env.factories if self._env is not None else None
-
-    @property
-    def environments(self) -> list | None:
-        """The environment instances of the last generation batch, one per row (None without environments)."""
-        return self._env.instances if self._env is not None else None
-
-    @property
-    def _env_tools(self) -> dict:
-        return self._env.tools if self._env is not None else {}
-
-    @property
-    def _environment_pool(self) -> dict:
-        return self._env.pool if self._env is not None else {}
-
-    @property
-    def reward_funcs(self) -> list:
-        return self.rewards.funcs
-
-    @property
-    def reward_func_names(self) -> list[str]:
-        return self.rewards.names
-
-    @property
-    def reward_processing_classes(self) -> list:
-        return self.rewards.processing_classes
-
-    @property
-    def num_generations(self) -> int:
-        return self.args.num_generations
-
-    @property
-    def num_generations_eval(self) -> int:
-        return self.args.num_generations_eval or self.args.num_generations
-
-    @property
-    def _shuffle_unit(self) -> int:
-        return self.num_generations if self.shuffles_groups else 1
+    # ------------------------------------------------------------------ TRL's attributes (callbacks read them)
+    reward_weights = property(attrgetter("rewards.weights"))
+    reward_funcs = property(attrgetter("rewards.funcs"))
+    reward_func_names = property(attrgetter("rewards.names"))
+    reward_processing_classes = property(attrgetter("rewards.processing_classes"))
+    num_generations = property(attrgetter("args.num_generations"))
+    num_generations_eval = property(lambda self: self.args.num_generations_eval or self.args.num_generations)
+    _shuffle_unit = property(lambda self: self.num_generations if self.shuffles_groups else 1)
+    environment_factories = property(lambda self: self._env.factories if self._env is not None else None)
+    # The environment instances of the last generation batch, one per row (None without environments).
+    environments = property(lambda self: self._env.instances if self._env is not None else None)
+    _env_tools = property(lambda self: self._env.tools if self._env is not None else {})
+    _environment_pool = property(lambda self: self._env.pool if self._env is not None else {})
 
     @staticmethod
     def vllm_mode_of(args) -> str | None:
@@ -210,18 +183,9 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         """G: the completions per prompt of `mode`'s generation batches (contiguous groups of G rows)."""
         return self.num_generations if mode == "train" else self.num_generations_eval
 
-    @property
-    def beta(self) -> float:
-        return self.args.beta
-
-    @property
-    def num_iterations(self) -> int:
-        return self.args.num_iterations
-
-    @property
-    def _logs(self) -> dict:
-        """TRL's completion samples (`CompletionLog.columns`), read by callbacks written against TRL."""
-        return self.completion_log.columns
+    beta = property(attrgetter("args.beta"))
+    num_iterations = property(attrgetter("args.num_iterations"))
+    _logs = property(attrgetter("completion_log.columns"))  # TRL's completion samples (`CompletionLog.columns`)
 
     # ------------------------------------------------------------------ hooks
     def assign_advantages(self, rewards, rewards_per_func, batch: RolloutBatch, mode: str) -> torch.Tensor | None:

@@ -21,15 +21,8 @@ from datasets import Dataset
 from trl import extract_prompt, is_conversational, unpair_preference_dataset
 
 from ..data.batch import TensorBatch, scalar_field
-from ..data.datasets import column_names, pad
-from ..data.vision import (
-    EncodedPrompts,
-    encode_visual_prompts,
-    has_visuals,
-    render_conversation,
-    row_images,
-    row_videos,
-)
+from ..data.datasets import column_names, get_images, get_videos, pad
+from ..data.vision import EncodedPrompts, encode_visual_prompts, has_visuals, render_conversation
 from ..models.loading import get_tokenizer
 
 
@@ -37,22 +30,14 @@ logger = logging.getLogger(__name__)
 
 
 def common_prefix_length(ids: list[int], other: list[int]) -> int:
-    length = 0
-    for a, b in zip(ids, other, strict=False):
-        if a != b:
-            break
-        length += 1
-    return length
+    return next((i for i, (a, b) in enumerate(zip(ids, other)) if a != b), min(len(ids), len(other)))
 
 
 def tokenize(processing_class, value, **template_kwargs) -> list[int]:
     """Token ids of a text (tokenizer call) or a conversation (chat template)."""
     if isinstance(value, list):
-        return list(
-            processing_class.apply_chat_template(value, tokenize=True, return_dict=True, **template_kwargs)[
-                "input_ids"
-            ]
-        )
+        encoded = processing_class.apply_chat_template(value, tokenize=True, return_dict=True, **template_kwargs)
+        return list(encoded["input_ids"])
     return list(processing_class(text=value)["input_ids"])
 
 
@@ -62,13 +47,8 @@ def split_completions(row: dict, processing_class, keys: tuple[str, ...]) -> dic
     template_kwargs = dict(row.get("chat_template_kwargs") or {})
     if row.get("tools") is not None:
         template_kwargs["tools"] = row["tools"]
-    conversational = isinstance(row["prompt"], list)
-    prompt_ids = tokenize(
-        processing_class,
-        row["prompt"],
-        **template_kwargs,
-        **({"add_generation_prompt": True} if conversational else {}),
-    )
+    prompt_options = {"add_generation_prompt": True} if isinstance(row["prompt"], list) else {}
+    prompt_ids = tokenize(processing_class, row["prompt"], **template_kwargs, **prompt_options)
     full = {key: tokenize(processing_class, row["prompt"] + row[key], **template_kwargs) for key in keys}
     prompt_len = _divergence(prompt_ids, full, get_tokenizer(processing_class))
     return {"prompt_ids": prompt_ids[:prompt_len], **{f"{key}_ids": ids[prompt_len:] for key, ids in full.items()}}
@@ -96,7 +76,7 @@ def split_completions_with_images(row: dict, processing_class, keys: tuple[str, 
             f"image tokens; got a {type(row['prompt']).__name__} prompt."
         )
     template_kwargs = dict(row.get("chat_template_kwargs") or {})
-    images, videos, tokenizer = row_images(row), row_videos(row), get_tokenizer(processing_class)
+    images, videos, tokenizer = get_images(row) or [], get_videos(row) or [], get_tokenizer(processing_class)
 
     def ids(text):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -255,7 +235,7 @@ def pack_with_images(
 def _encode_image_prompts(processing_class, rows) -> EncodedPrompts:
     texts = [row["prompt_text"] for row in rows]
     return encode_visual_prompts(
-        processing_class, texts, [row_images(row) for row in rows], [row_videos(row) for row in rows]
+        processing_class, texts, [get_images(row) or [] for row in rows], [get_videos(row) or [] for row in rows]
     )
 
 

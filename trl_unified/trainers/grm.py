@@ -20,15 +20,15 @@ from datasets import IterableDataset
 
 from ..core.config import PolicyConfig, TruncationConfig, document_fields, option
 from ..core.trainer import PolicyTrainerBase
-from ..data.datasets import (
-    dataset_columns,
-    is_conversational_prompt,
-    split_prompt_completion,
-)
+from ..data.datasets import dataset_columns, is_conversational_prompt, split_prompt_completion
 from ..data.sft import SFTBatch, SFTCollator, tokenize_sft_row
 from ..data.vision import with_row_visuals
 from ..evaluation.answers import extract_answer
 from ..models.token_ids import embedding_rows, mask_padding
+
+
+# The dataset columns GRMTrainer reads (with the config's dataset_text_field).
+_COLUMNS = ("input_ids", "completion_mask", "prompt", "completion", "messages", "image", "images", "video", "videos")
 
 
 @document_fields
@@ -93,12 +93,9 @@ class GRMTrainer(PolicyTrainerBase):
         peft_config=None,
         formatting_func=None,
     ):
-        for name, value in (
-            ("compute_loss_func", compute_loss_func),
-            ("optimizer_cls_and_kwargs", optimizer_cls_and_kwargs),
-        ):
-            if value is not None:
-                raise NotImplementedError(f"{name} is not supported by GRMTrainer: the loss is the judgment NLL.")
+        if compute_loss_func is not None or optimizer_cls_and_kwargs is not None:
+            name = "compute_loss_func" if compute_loss_func is not None else "optimizer_cls_and_kwargs"
+            raise NotImplementedError(f"{name} is not supported by GRMTrainer: the loss is the judgment NLL.")
         self.formatting_func = formatting_func
         super().__init__(
             model,
@@ -168,18 +165,7 @@ class GRMTrainer(PolicyTrainerBase):
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
-            self._signature_columns = [
-                "input_ids",
-                "completion_mask",
-                "prompt",
-                "completion",
-                "messages",
-                "image",
-                "images",
-                "video",
-                "videos",
-                self.args.dataset_text_field,
-            ]
+            self._signature_columns = [*_COLUMNS, self.args.dataset_text_field]
 
     def make_data_collator(self):
         return SFTCollator(self.processing_class, self.args)
