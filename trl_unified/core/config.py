@@ -75,24 +75,16 @@ class PolicyConfig(TrainingArguments):
     _unimplemented_fields: ClassVar[dict[str, str]] = {}
 
     # TRL's defaults for TrainingArguments fields (same as trl's _BaseConfig).
-    logging_steps: float = option(
-        10, "Log every X update steps. An integer, or a float in [0, 1) read as a ratio of total steps."
-    )
-    gradient_checkpointing: bool = option(
-        True, "Enable gradient checkpointing: less activation memory for ~20%% more compute."
-    )
+    logging_steps: float = option(10, "Log every X update steps (a float in [0, 1): a ratio of total steps).")
+    gradient_checkpointing: bool = option(True, "Gradient checkpointing: less activation memory, ~20%% more compute.")
     bf16: bool | None = option(
         None,
         "Use bf16 mixed precision. If not set: `True` unless `fp16` is set (as in TRL), except on a machine with no "
         "accelerator and use_cpu=False, where TRL's default would fail and `False` is used.",
     )
-    lr_scheduler_kwargs: dict | str | None = option(
-        None, "Extra keyword arguments for the learning-rate scheduler, e.g. {'num_cycles': 1}."
-    )
+    lr_scheduler_kwargs: dict | str | None = option(None, "Learning-rate scheduler keywords, e.g. {'num_cycles': 1}.")
     use_liger_kernel: bool = option(False, "Patch the model's layers with Liger kernels (deprecated in TRL).")
-    torch_empty_cache_steps: int | None = option(
-        None, "Steps between `torch.<device>.empty_cache()` calls. If None, the cache is never emptied."
-    )
+    torch_empty_cache_steps: int | None = option(None, "Steps between `torch.<device>.empty_cache()` (None: never).")
 
     # Model loading
     model_init_kwargs: dict[str, Any] | str | None = option(
@@ -100,9 +92,7 @@ class PolicyConfig(TrainingArguments):
         "Keyword arguments for `from_pretrained` when `model` is a string (e.g. dtype, attn_implementation, "
         "revision). A JSON string is accepted on the command line.",
     )
-    trust_remote_code: bool = option(
-        False, "Allow custom model code from the Hub when loading models and processors by id."
-    )
+    trust_remote_code: bool = option(False, "Allow custom model code from the Hub when loading by id.")
     disable_dropout: bool = option(False, "Set every dropout probability of the policy and reference models to 0.")
     router_aux_loss_coef: float | None = option(
         None, "Weight of the MoE load-balancing loss; None uses the model config's value, 0.0 disables it."
@@ -121,21 +111,11 @@ class PolicyConfig(TrainingArguments):
     temperature: float = option(1.0, "Sampling temperature; log-probs are computed from logits divided by it too.")
     top_p: float = option(1.0, "Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p.")
     top_k: int = option(0, "Keep only the top_k most likely tokens when sampling. 0 disables top-k filtering.")
-    min_p: float | None = option(
-        None, "Minimum token probability, relative to the most likely token's. None disables it."
-    )
-    repetition_penalty: float = option(
-        1.0, "Penalty on tokens already in the prompt or completion. 1.0 means no penalty."
-    )
-    cache_implementation: str | None = option(
-        None, "KV-cache implementation passed to `GenerationConfig` when generating."
-    )
-    generation_kwargs: dict | str | None = option(
-        None, "Extra `GenerationConfig` keyword arguments; they override the fields above."
-    )
-    chat_template_kwargs: dict | str | None = option(
-        None, "Extra keyword arguments for `apply_chat_template` (e.g. enable_thinking)."
-    )
+    min_p: float | None = option(None, "Minimum token probability, relative to the most likely one's (None: off).")
+    repetition_penalty: float = option(1.0, "Penalty on tokens already in the prompt or completion (1.0: none).")
+    cache_implementation: str | None = option(None, "KV-cache implementation for `GenerationConfig`.")
+    generation_kwargs: dict | str | None = option(None, "Extra `GenerationConfig` keywords (override the above).")
+    chat_template_kwargs: dict | str | None = option(None, "Keywords for `apply_chat_template` (enable_thinking).")
 
     # Generative evaluation accuracy
     generative_eval: bool = option(
@@ -143,9 +123,7 @@ class PolicyConfig(TrainingArguments):
         "During `evaluate`, generate for eval rows that carry a reference answer, extract the predicted answer and "
         "log `eval_accuracy`. Rows without the answer field are skipped.",
     )
-    eval_answer_field: str = option(
-        "answer", "Name of the eval-dataset column holding the reference answer for generative accuracy."
-    )
+    eval_answer_field: str = option("answer", "The eval column of reference answers (generative accuracy).")
     answer_extractor: str = option(
         "tags",
         "How an answer is read from a generation: 'tags' (<answer>...</answer>), 'boxed' (\\boxed{...}), 'auto' "
@@ -154,48 +132,36 @@ class PolicyConfig(TrainingArguments):
     eval_max_new_tokens: int | None = option(
         None, "Tokens generated per eval prompt for generative accuracy. None uses max_completion_length."
     )
-    eval_do_sample: bool = option(
-        False, "Sample during generative evaluation (with the sampling fields above) instead of greedy."
-    )
+    eval_do_sample: bool = option(False, "Sample in generative evaluation (the fields above) instead of greedy.")
 
     shared_prefix: bool | None = option(
         None,
         "trl_unified only. Encode a prompt once for all the rows that repeat it (Prefix Grouper, arXiv:2506.05433): "
-        "the G completions of an online group (generation, reference / old-log-prob forwards, the policy forward with "
-        "grad), the chosen and rejected completions of a preference pair; in distillation, the prompt prefix common "
-        "to all rows (a chat template's system prompt), for the student and the teacher. The same numbers with less "
-        "compute. None "
-        "(auto): wherever the model and inputs allow it (decoder-only, no image inputs, no gradient checkpointing in "
-        "the grad pass; an info log line names any fallback); True: the same, but an unsupported model raises at "
-        "construction; False: off.",
+        "an online group's G completions, a preference pair, distillation's common prefix; the same numbers with "
+        "less compute (docs/shared_prefix.md). None (auto): wherever the model and inputs allow it (a fallback is "
+        "logged); True: the same, but an unsupported model raises at construction; False: off.",
     )
 
     chunked_lm_head: bool = option(
         True,
-        "trl_unified only. Per-token log-probs (and entropies) from the final hidden states through the LM head in "
-        "chunks of positions, each chunk's logits recomputed in the backward (core/lm_head.py): no (batch, positions, "
-        "vocabulary) tensor in the forward or the backward, in every policy, reference, old-log-prob and preference "
-        "pass. The same numbers to float rounding. Falls back to the model's logits (one log line) where the head is "
-        "sharded outside the forward (ZeRO-3, FSDP) or does not reproduce them. False: always the model's logits.",
+        "trl_unified only. Per-token log-probs from the hidden states through the LM head in chunks of positions "
+        "(docs/lm_head.md): no (batch, positions, vocabulary) tensor; the same numbers to float rounding. Falls back "
+        "to the model's logits (one log line) under ZeRO-3 / FSDP. False: always the model's logits.",
     )
 
     padding_free: bool | None = option(
         None,
-        "Run the policy, reference and old-log-prob passes (DPO/KTO: the preference passes) on the rows packed into "
-        "one sequence without padding, positions restarting at each row (core/packing.py); the same numbers. "
-        "Attention runs per sequence (FlashAttention's variable-length kernels; on sdpa core/packing.segmented_sdpa). "
-        "None (auto): in the passes that do not share prompts (shared_prefix), where at least 10% of the rows' slots "
-        "are padding and the model allows it; True: every such pass, instead of prompt sharing; False: padded rows. "
-        "TRL: a DPO field, default False (disabled in TRL 1.16; DPOConfig keeps that default); trl_unified: every "
-        "trainer that scores completions, auto by default elsewhere (the numbers do not change).",
+        "Run the log-prob passes on the rows packed into one sequence without padding (docs/padding_free.md); the "
+        "same numbers. None (auto): in passes that do not share prompts, where at least 10% of the slots are "
+        "padding; True: every such pass, instead of prompt sharing; False: padded rows. TRL: a DPO field, default "
+        "False (DPOConfig keeps it).",
     )
 
     lean_decoding: bool = option(
         True,
-        "trl_unified only. Decode with trl_unified's lean loop (generation/lean.py: the same tokens as "
-        "model.generate, without its per-token bookkeeping) wherever the model and generation options allow it, and "
-        "on CPU multiply by float32 linear weights packed once per generation call (generation/packed_weights.py). "
-        "Other cases use model.generate (the reason logged once). False: always model.generate.",
+        "trl_unified only. Decode with the lean loop (the same tokens as model.generate, without its per-token "
+        "bookkeeping; on CPU with linear weights packed once per call, docs/decoding.md) wherever the model and "
+        "options allow it; other cases use model.generate (the reason logged once). False: always model.generate.",
     )
 
     def __post_init__(self):

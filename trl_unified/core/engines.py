@@ -1,11 +1,8 @@
 """The distributed engine a run asked for against the one accelerate engaged: a loud notice before training when
 they differ.
 
-accelerate engages FSDP only on accelerator devices (CUDA, XPU, NPU, ...): a multi-process CPU launch is routed to
-`MULTI_CPU` (DDP over gloo) before FSDP is considered, so `accelerate launch --config_file fsdp.yaml` on CPUs trains
-with every process holding the whole model and nothing sharded. Sharding on CPU would need a launcher of our own
-around `torch.distributed.fsdp.fully_shard`, which trl_unified does not build (multi-process runs go through
-accelerate); the notice says what runs instead.
+The case it exists for: accelerate routes a multi-process CPU launch to `MULTI_CPU` (DDP over gloo) before FSDP is
+considered, so an FSDP config trains with nothing sharded; the notice says what runs instead. See docs/distributed.md.
 """
 
 import logging

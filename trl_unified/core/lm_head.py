@@ -1,17 +1,9 @@
 """The language-model head applied outside the model's forward, to chunks of positions.
 
-A causal LM's forward ends in `logits = lm_head(hidden)`: `(B, T, V)`, at real vocabulary sizes (49k-152k tokens)
-the largest tensor of a training step, and with its float32 log-softmax and their gradients several times that. Here
-the model is run with `logits_to_keep=1` (one position projected), the decoder's final hidden states are read
-through a forward hook, and the head is applied to `_CHUNK_ELEMENTS // V` positions at a time. Under grad each chunk
-runs inside `torch.utils.checkpoint`: only its hidden states are kept, and its logits are recomputed in the backward,
-so no `(B, T, V)` tensor exists in the forward or the backward (the cost: one more head matmul per chunk in the
-backward). Per-token values are the same as from the model's own logits, to float rounding.
-
-The path is taken only where it reproduces the model's logits: the head is readable outside the forward (not a
-ZeRO-3 / FSDP shard), the model is not compiled, and on the first forward of each model the head applied to the
-captured last hidden state matches the one position of logits the model returned (the logit scalings of
-`logit_transform` included); otherwise the model's logits are used, with one log line naming the reason.
+The model runs with `logits_to_keep=1`, a forward hook reads the decoder's final hidden states, and the head is
+applied to `_CHUNK_ELEMENTS // V` positions at a time and recomputed in the backward, so no `(B, T, V)` tensor exists.
+The path is taken only where it reproduces the model's logits (checked on each model's first forward); otherwise the
+model's logits are used, with one log line naming the reason. See docs/lm_head.md.
 """
 
 import contextlib

@@ -1,26 +1,12 @@
 """Padding-free forwards: the rows of a batch flattened into one sequence without padding, as TRL's `padding_free`
 does for SFT.
 
-Rows of a batch end at different lengths (completions stop at their EOS, prompts differ), and a padded forward pays
-every layer's matmuls for the padding. Packed, the `B` rows become one row of `N = Σ_i L_i` real tokens whose position
-ids restart at 0 at each row's first token; transformers reads the restarts as sequence boundaries and attends
-within each sequence only (for eager / flex through a block-diagonal causal mask built from the position ids,
-`masking_utils`; FlashAttention and sdpa as below). The log-probs
-are those of the padded forward with positions counted from each row's first real token, which is what generation
-uses, and for rotary models (Llama, Qwen, Mistral, Gemma, ...) the same function as any constant shift of positions.
-
-The packed forward also passes the sequence boundaries as FlashAttention's keyword arguments (`cu_seq_lens_q/k`,
-`max_length_q/k`, as TRL's `DataCollatorWithFlattening` does). FlashAttention 2/3 runs its variable-length kernel on
-them; for sdpa, `segmented_sdpa` (registered over transformers' "sdpa" attention on the first packed forward, a
-pass-through for every other call) runs each sequence's causal attention on its own, so the attention costs
-`Σ_i L_i²` there too instead of a dense `N²` block-diagonal mask (whose backward also leaves sdpa's fused kernels).
-Eager and flex attention use the mask. Gradient checkpointing recomputes a layer with the same keyword arguments, so
-the recomputation takes the same path.
-
-Guards: each model is checked once on its first packed forward of two or more rows (the second row's logits packed
-must equal its logits alone, so a model whose attention ignores packed position ids, or that carries a recurrent
-state across the boundary, is caught); rows whose real tokens are not contiguous, extra per-row inputs (images,
-`token_type_ids`) and encoder-decoder models take the padded path, with one log line (`report_fallback`).
+The `B` rows become one row of `N = Σ_i L_i` real tokens whose position ids restart at 0 at each row's first token;
+the boundaries are also passed as FlashAttention's `cu_seq_lens_q/k`, `max_length_q/k`. For sdpa, `segmented_sdpa`
+(registered over transformers' "sdpa" on the first packed forward, a pass-through for every other call) attends each
+sequence on its own: `Σ_i L_i²` instead of a dense `N²` block-diagonal mask, whose backward also leaves sdpa's fused
+kernels. Each model is checked once on its first packed forward; what cannot be packed takes the padded path, with
+one log line (`report_fallback`). See docs/padding_free.md.
 """
 
 import functools

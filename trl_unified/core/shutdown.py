@@ -1,26 +1,21 @@
 """A deterministic end for multi-process runs: no SIGABRT at interpreter exit after training succeeded.
 
-Root cause (measured on 2 CPU processes with gloo, DDP and DeepSpeed ZeRO-3): `transformers.Trainer` never destroys the
-process group, and even `torch.distributed.destroy_process_group()` does not stop gloo's worker threads
-(`pt_gloo_runloop`, `gloo_tcp_loop`): they live as long as the C++ `ProcessGroupGloo`, which stays referenced by
-Python objects (the DDP wrapper's `process_group`, DeepSpeed's engine, optimizer and every ZeRO-3 parameter's
-`ds_process_group`). Those objects are only freed during interpreter finalization, and tearing the process group down
-there aborts one rank about one run in ten to three (`terminate called without an active exception`, SIGABRT), after
-training and saving had finished; `accelerate launch` then reports the whole job as failed.
+Root cause (measured on 2 CPU processes with gloo, DDP and DeepSpeed ZeRO-3): `transformers.Trainer` never destroys
+the process group, and even `torch.distributed.destroy_process_group()` does not stop gloo's worker threads
+(`pt_gloo_runloop`, `gloo_tcp_loop`): they live as long as the C++ `ProcessGroupGloo`, which Python objects keep
+referenced (the DDP wrapper's `process_group`, DeepSpeed's engine and optimizer, every ZeRO-3 parameter's
+`ds_process_group`) until interpreter finalization, and tearing the group down there aborts one rank in about one run
+in ten to three (`terminate called without an active exception`); `accelerate launch` then reports the whole job as
+failed. A rarer hang (2 of ~15 runs): whatever frees the DDP wrapper's C++ `Reducer` after the group was destroyed (a
+garbage collection at any allocation) runs `ProcessGroupGloo`'s destructor, which joins gloo's threads while holding
+the GIL that one of them waits for.
 
-A second, rarer end: a hang (seen in 2 of ~15 runs). The DDP wrapper's C++ `Reducer` holds the process group; if
-the group was destroyed first, whatever frees the wrapper last (a garbage collection at any allocation) runs
-`ProcessGroupGloo`'s destructor, which joins gloo's threads while holding the GIL, and a gloo thread waiting for the
-GIL to release a Python object never finishes. So the order is fixed: when `train()` returns, the trainer drops its
-DDP wrapper and collects it while the group is alive (`release_ddp_wrapper`); at exit, garbage collection is off
-while the group is destroyed.
-
-So, at exit, after the other exit handlers (the handler is registered when trl_unified is imported, so handlers that
-libraries register later, e.g. W&B's at `wandb.init`, run first; logging and multiprocessing, registered earlier, are
-run by it): the process group is destroyed while the interpreter is alive;
-if gloo threads still run (the case above), stdout, stderr and logging are flushed and the process ends with
-`os._exit` and its own exit status, skipping only the finalization that would abort. Exit status: 1 after an
-uncaught exception, the code given to `sys.exit(...)` / `exit(...)`, else 0.
+Hence the fixed order: `release_ddp_wrapper` when `train()` returns; at exit, after the other exit handlers (this one
+is registered when trl_unified is imported, so later ones such as W&B's run first; logging and multiprocessing,
+registered earlier, are run by it), the group is destroyed with garbage collection off, and if gloo threads remain,
+output is flushed and the process ends with `os._exit`, skipping only the finalization that would abort. Exit status:
+1 after an uncaught exception, the code given to `sys.exit(...)` / `exit(...)`, else 0. See docs/architecture.md
+("Process shutdown").
 """
 
 import atexit

@@ -1,16 +1,12 @@
 """Vision-language rows for the data layers: rendering a conversation with its image and video placeholders, and
 encoding a batch of prompts with their images and videos through the model's processor.
 
-TRL's conventions: a row carries its images in an `images` list (or one `image`), its prompt is a conversation, and
-`trl.prepare_multimodal_messages` puts one `{"type": "image"}` part per image before the first user text. Videos
-follow the same pattern (TRL has no video rows): a `videos` list (or one `video`), one `{"type": "video"}` part per
-video after the image parts, unless the first user message already holds video parts. A video is a list of frames
-(PIL images or `(H, W, C)` arrays), an array `(T, H, W, C)`, or a path the processor decodes (transformers'
-`load_video`, which needs a decoding backend such as PyAV). The processor expands each placeholder into the model's
-image / video tokens and returns the tensors (`pixel_values`, `pixel_values_videos`, and e.g. `image_grid_thw`,
-`video_grid_thw`, `image_sizes`), laid out per image / video in row order, and per-token inputs aligned with
-`input_ids` (e.g. Gemma 3's `token_type_ids`). Images and videos are processed when a batch is collated, as in TRL
-(processing them once in `Dataset.map` would store every pixel on disk).
+Rows follow TRL's conventions (`images` / `image`, placeholders from `trl.prepare_multimodal_messages`), extended to
+videos (TRL has no video rows): `videos` / `video`, one `{"type": "video"}` part per video after the image parts,
+unless the first user message already holds video parts. The processor's tensors are laid out per image / video in
+row order, and per-token inputs are aligned with `input_ids`. Images and videos are processed when a batch is
+collated, as in TRL (processing them once in `Dataset.map` would store every pixel on disk).
+See docs/grm.md ("Images and videos") and docs/dpo.md.
 """
 
 import os

@@ -1,19 +1,9 @@
 """The lean decode loop of `generate_batched`: `model.generate`'s sampling loop without its per-step machinery.
 
 `lean_generate` runs the same forward passes, logits processors and sampling calls as `GenerationMixin._sample`, in
-the same order, so it draws the same random numbers and returns the same tokens (greedy and seeded sampling,
-including temperature, top-k, top-p, min-p and repetition penalty); the equality to `model.generate` is tested token
-for token in tests/generation/test_decode.py. What it leaves out is the work `generate` redoes at every token:
-preparing the model inputs and the position ids from the full attention mask, re-checking stopping criteria objects,
-and growing the prompt + completion tensors by concatenation (here: preallocated buffers, one view per step).
-
-Only the options listed in `SUPPORTED_OPTIONS` are handled. A configuration that sets any other option (beam search,
-stop strings, bad words, returned scores, a static cache, ...), a model or input this loop does not cover (encoder-
-decoder, image or video inputs, sharded parameters), is decoded by `model.generate`; `unsupported_reason` names why
-and `generate_batched` logs it once (`report_fallback`, logger `trl_unified.generation.lean`).
-
-On CPU, decoding spends most of its time in matrix products with a handful of rows (one token per sequence) against
-the full weight matrices; `packed_linear_weights` (generation/packed_weights.py) makes those cheaper for both paths.
+the same order, so it returns the same tokens (tested in tests/generation/test_decode.py), without `generate`'s
+per-token bookkeeping. Options outside `SUPPORTED_OPTIONS`, and models or inputs the loop does not cover, are decoded
+by `model.generate`; `unsupported_reason` names why and `generate_batched` logs it once. See docs/decoding.md.
 """
 
 import copy

@@ -1,20 +1,10 @@
 """Prepacked linear weights for decoding on CPU.
 
-A decode step multiplies a handful of rows (one new token per sequence) by every weight matrix of the model. With
-PyTorch's default CPU path (MKL `sgemm` through `F.linear`), each such product repacks the weight matrix into the
-kernel's blocked layout again, at every layer of every step, so that a step costs several times its arithmetic:
-on the project's 2-core CPU a `(8, 512) @ (512, 8185)` output projection takes ~2.0 ms through `F.linear` and ~0.4 ms
-with the weight packed once (oneDNN, the layout PyTorch's own inference compiler uses on CPU). `packed_linear_weights`
-packs every `nn.Linear` weight of a model once when generation starts and routes the layer's forward to oneDNN's
-matmul on the packed copy until it ends; the packed copies are freed on exit.
-
-The packed product computes the same float32 dot products with a different summation order, so logits can differ
-from `F.linear`'s in the last bits (~1e-6 relative); a sampled token changes only if two candidates tie to that
-precision. tests/generation/test_decode.py checks the logits against `F.linear` and the tokens against
-`model.generate`.
-
-Used for float32 weights on CPU only (other dtypes, devices, quantised or hooked layers keep their forward), and
-only when a generation call decodes enough tokens to repay the packing (`MIN_NEW_TOKENS`).
+A decode step multiplies a handful of rows by every weight matrix, and PyTorch's CPU `F.linear` repacks the weight into
+its blocked layout inside every such product. `packed_linear_weights` packs every float32 `nn.Linear` weight once
+(oneDNN) when generation starts and routes the layer's forward to the packed copy until it ends; logits differ from
+`F.linear`'s only in the last bits (summation order). Used on CPU only, and only when a generation call decodes at
+least `MIN_NEW_TOKENS` tokens. See docs/decoding.md ("Prepacked linear weights").
 """
 
 import contextlib

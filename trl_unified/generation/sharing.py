@@ -1,14 +1,10 @@
 """Shared-prefix encoding: rows that repeat a prompt (the G completions of an online group) encode it once; and the
 decisions whether a forward or a generation may share prompts, with the reason when not.
 
-Prefix Grouper (Liu et al., 2025, arXiv:2506.05433): running the shared prompt once and reusing its key/value cache for
-every completion gives the same outputs, and, since autograd flows back through the cache, the same gradients, as
-running each row on its own, while the prompt's compute is paid once per distinct prompt instead of once per row.
-Only the public transformers API is used (`past_key_values`, `DynamicCache.batch_select_indices`, attention masks
-that cover past + new tokens), so any decoder-only model with a dynamic KV cache can take this path.
-
-Fallbacks are reported once per reason by `report_fallback` (generation/fallbacks.py, logger
-`trl_unified.generation.sharing`).
+Prefix Grouper (Liu et al., 2025, arXiv:2506.05433): reusing the shared prompt's key/value cache for every completion
+gives the same outputs and gradients as running each row on its own. Only the public transformers API is used, so any
+decoder-only model with a dynamic KV cache can take this path. Fallbacks are reported once per reason
+(`report_fallback`, logger `trl_unified.generation.sharing`). See docs/shared_prefix.md.
 """
 
 import copy

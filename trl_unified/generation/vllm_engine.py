@@ -1,20 +1,9 @@
 """The vLLM engine of `generate_batched` (`use_vllm=True`): colocate or server mode, weight sync, sampling log-probs.
 
-- **colocate** (`vllm_mode="colocate"`, TRL's default): one `vllm.LLM` in each training process (vLLM's
-  `external_launcher` executor, so it joins the training processes instead of starting its own), sharing its memory
-  budget (`vllm_gpu_memory_utilization`; on CPU the share of host memory). The engine starts from the policy's
-  config alone with placeholder weights (`load_format="dummy"`; so in-memory, PEFT and resized models work, and no
-  copy of the model is written), and engines with the same settings are reused within a process: the first
-  generation of each trainer syncs its weights.
-- **server** (`vllm_mode="server"`): a separately started OpenAI-compatible vLLM server with `VLLM_SERVER_DEV_MODE=1`,
-  reached over HTTP (`generation/vllm_server.py`: requests, weight reloads, riding through a restart). The trainer
-  process does not need vLLM installed in this mode.
-
-Prompts of a group (the G rows that repeat one prompt) are sent once with `n=G`. Log-probs are the sampled tokens'
-after temperature (`logprobs_mode="processed_logprobs"`, as TRL asks for), read by the importance-sampling correction
-(`online/importance_sampling.py`). Weights are synced by `sync_weights` once per generation round (the trainer calls
-it when its optimiser step changed), from full models, PEFT models (adapters merged, base names, unmerged again),
-DeepSpeed ZeRO-3 (gathered one parameter at a time) and FSDP.
+Colocate mode runs one `vllm.LLM` in each training process, started from the policy's config with placeholder weights;
+server mode reaches a separately started server over HTTP (`generation/vllm_server.py`). Each group's prompt is sent
+once with `n=G`; log-probs are the sampled tokens' after temperature (read by `online/importance_sampling.py`); and
+`sync_weights` sends the weights once per generation round (full, PEFT, ZeRO-3, FSDP). See docs/vllm.md.
 """
 
 import contextlib

@@ -1,23 +1,10 @@
 """vLLM's server mode (`vllm_mode="server"`): a separately started OpenAI-compatible vLLM server, reached over HTTP.
 
-Each process sends its own prompts (no collective), one `/v1/completions` request per group size (a group of G rows
-is one prompt with `n=G`; with `max_inflight_tasks` > 0 a request carries at most that many completions): token ids
-in, token ids and the sampled tokens' log-probs out. Weights reach the server in one of two ways
-(`vllm_weight_transfer`):
-
-- `"checkpoint"` (default, any device): the main process writes the policy as a safetensors folder the server reads
-  (`/collective_rpc` `reload_weights`, so the server runs with `VLLM_SERVER_DEV_MODE=1` and sees the trainer's
-  `output_dir`: same machine or a shared file system);
-- `"nccl"` (CUDA): vLLM's own weight-transfer engine, as TRL 1.16's `AsyncGRPOTrainer` drives it:
-  `/init_weight_transfer_engine` once (the trainer joins an NCCL group as rank 0), then per sync
-  `/start_weight_update`, `/update_weights` (names, dtypes, shapes) while the trainer broadcasts the tensors, and
-  `/finish_weight_update`.
-
-A reload never overlaps a generation request of this process (`VLLMEngine.lock`), and in a multi-process run every
-process holds its lock before the main process reloads. A server that is briefly unreachable is retried with backoff
-for up to `vllm_server_timeout` seconds; once it answers again, the last synced weights are loaded into it before the
-interrupted request is sent again (a restarted server starts from its own checkpoint). Errors name the server, what
-was being done and the last saved checkpoint.
+Each process sends its own prompts (no collective): token ids in, token ids and the sampled tokens' log-probs out.
+Weights reach the server as a safetensors folder it reloads (`vllm_weight_transfer="checkpoint"`) or through vLLM's
+NCCL weight-transfer engine (`"nccl"`). A reload never overlaps a generation request (`VLLMEngine.lock`, held by every
+process before the main process reloads). An unreachable server is retried with backoff and, once it answers, gets
+the last synced weights before the interrupted request is sent again. See docs/vllm.md.
 """
 
 import contextlib

@@ -1,12 +1,10 @@
 """Token ids against a model's embedding table: padding that never reaches it, and a clear error for an id that
 cannot work.
 
-A tokenizer may hold more ids than a model's embedding table has rows: TRL's PPO recipe adds a pad token without
-resizing (`tokenizer.add_special_tokens({"pad_token": "[PAD]"})`, id one past the table), and checkpoints that share
-one tokenizer come with tables of different sizes (Qwen2.5: 151,665 tokens, 151,665 or 152,064 rows). A position the
-attention mask hides may carry any id, so where such a position holds an id beyond the table it is read as 0 (TRL's
-fill) before the forward; the numbers do not change, and ids within the table are left as they are. An id a model
-would actually read (a prompt token, a sampled token) beyond its table raises a ValueError naming the id.
+Where a position the attention mask hides holds an id beyond the table (a pad token added without resizing), the id
+is read as 0 (TRL's fill) before the forward, which leaves the numbers unchanged; an id a model would actually read
+(a prompt token, a sampled token) beyond its table raises a ValueError naming the id. See docs/ppo.md ("TRL's PPO
+recipe").
 """
 
 import contextlib

@@ -1,24 +1,15 @@
 """Asynchronous rollouts: sampling runs ahead of training in a producer thread, staleness bounded at the source.
 
-With `async_rollouts=True` (a vLLM server: its HTTP waits release the GIL, and it runs beside training), the online
-core's two rollout stages run apart (`docs/async.md`):
+With `async_rollouts=True` (vLLM server mode) a producer thread reads the Trainer's data loader ahead of it and runs
+stage one, `sample(rows)`, holding the engine's lock so that no weight reload lands inside a round; the Trainer's loop
+receives the same batches in the same order and runs stage two, `finish(samples)`, under the current weights.
 
-- **The producer** (a thread) reads the Trainer's data loader ahead of it and runs stage one, `sample(rows)`, for each
-  batch that opens a generation round, holding the engine's lock so that no weight reload lands inside a round. Each
-  `Samples` carries `policy_version`: the optimiser step of the weights the server held.
-- **Staleness is bounded at the source**: the round training will consume at optimiser step c starts only once the
-  server holds weights of step >= c - max_staleness, so every sample is consumed with 0 <= staleness <= max_staleness;
-  at most `queue_maxsize` completions wait.
-- **The consumer** (the Trainer's loop, main thread) receives the same batches in the same order. Before it waits for
-  a round it syncs the weights when they are `weight_sync_steps` steps old, or older than the round's gate allows
-  (so the producer can never wait for a sync the consumer does not make); every process decides alike, so syncs stay
-  collective. It then runs stage two, `finish(samples)`, under the current weights. A round found too stale anyway
-  (the safety net) is dropped, counted and sampled again.
-
-`max_staleness=0` is synchronous training: each round waits for the weights of the step that consumes it, and the
-order of every sampling, shuffle and update is the synchronous trainer's. A producer's exception is raised in the
-Trainer's loop as soon as it is waited for; `close()` stops the thread when training ends; rounds still queued at a
-checkpoint are sampled again after a resume (the data loader skips only what was trained on).
+Invariants: staleness is bounded at the source (the round consumed at optimiser step c starts only once the server
+holds weights of step >= c - max_staleness); the consumer syncs before waiting whenever that gate needs it (so the
+producer never waits for a sync the consumer does not make), and every process decides alike, so syncs stay
+collective. `max_staleness=0` is synchronous training. A producer's exception is raised in the Trainer's loop when
+its round is waited for; `close()` stops the thread when training ends; rounds still queued at a checkpoint are
+sampled again after a resume (the data loader skips only what was trained on). See docs/async.md.
 """
 
 import queue

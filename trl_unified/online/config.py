@@ -34,26 +34,18 @@ class OnlineConfig(PolicyConfig):
     _vllm_only_fields: ClassVar[tuple[str, ...]] = _VLLM_FIELDS[1:]
 
     learning_rate: float = option(1e-6, "Initial AdamW learning rate.")
-    remove_unused_columns: bool | None = option(
-        False, "Keep every dataset column: extra columns reach the reward functions."
-    )
+    remove_unused_columns: bool | None = option(False, "Keep every dataset column (extra ones reach rewards).")
     max_completion_length: int | None = option(512, "Maximum length of the generated completion.")
     num_generations: int | None = option(8, "Completions sampled per prompt (G >= 2).")
-    num_generations_eval: int | None = option(
-        None, "Completions per prompt during evaluation. None uses num_generations."
-    )
-    ds3_gather_for_generation: bool = option(
-        True, "Under ZeRO-3, gather the policy weights once per generation call (fast, needs memory)."
-    )
+    num_generations_eval: int | None = option(None, "Completions per prompt in evaluation (None: num_generations).")
+    ds3_gather_for_generation: bool = option(True, "ZeRO-3: gather the weights once per generation (fast, memory).")
     shuffle_dataset: bool | None = option(True, "Shuffle the training prompts.")
     generation_batch_size: int | None = option(
         None,
         "Completions per generation round, all processes. None: per_device_train_batch_size * num_processes * "
         "steps_per_generation.",
     )
-    steps_per_generation: int | None = option(
-        None, "Micro-steps served by one generation round. None uses gradient_accumulation_steps."
-    )
+    steps_per_generation: int | None = option(None, "Micro-steps per generation round (None: grad. accumulation).")
     use_vllm: bool = option(False, "Generate with vLLM (docs/vllm.md): colocate or server mode, see vllm_mode.")
     vllm_mode: str = option(
         "colocate",
@@ -62,40 +54,24 @@ class OnlineConfig(PolicyConfig):
     )
     vllm_model_impl: str = option("vllm", "vLLM's model implementation: 'vllm', 'transformers' or 'auto'.")
     vllm_enable_sleep_mode: bool = option(False, "Free the colocated engine's memory between generations (CUDA only).")
-    vllm_structured_outputs_regex: str | None = option(
-        None, "Constrain completions to this regex (vLLM structured outputs)."
-    )
-    vllm_server_base_url: str | None = option(
-        None, "Server mode: base URL of the vLLM server; overrides host and port."
-    )
+    vllm_structured_outputs_regex: str | None = option(None, "Constrain completions to this regex (vLLM).")
+    vllm_server_base_url: str | None = option(None, "Server mode: the server's base URL (overrides host, port).")
     vllm_server_host: str = option("0.0.0.0", "Server mode: host of the vLLM server.")
     vllm_server_port: int = option(8000, "Server mode: port of the vLLM server.")
     vllm_server_timeout: float = option(240.0, "Server mode: seconds to wait for the server to answer /health.")
-    vllm_group_port: int = option(
-        51216, "Port of TRL's NCCL weight-update group; unused here (must stay 51216, docs/vllm.md)."
-    )
-    vllm_gpu_memory_utilization: float = option(
-        0.3, "Colocate: share of the device's memory the engine takes (on CPU: of host memory)."
-    )
-    vllm_max_model_length: int | None = option(
-        None, "Colocate: the engine's context length. None: the model config's."
-    )
-    vllm_tensor_parallel_size: int = option(
-        1, "Colocate: training processes per tensor-parallel engine (divides the world)."
-    )
+    vllm_group_port: int = option(51216, "TRL's NCCL group port; unused here (must stay 51216, docs/vllm.md).")
+    vllm_gpu_memory_utilization: float = option(0.3, "Colocate: the engine's share of device (CPU: host) memory.")
+    vllm_max_model_length: int | None = option(None, "Colocate: the engine's context length (None: the model's).")
+    vllm_tensor_parallel_size: int = option(1, "Colocate: training processes per tensor-parallel engine.")
     beta: float = option(0.0, "KL coefficient β. If 0.0, no reference model is loaded.")
     num_iterations: int = option(1, "Optimisation passes over each generation batch (μ).")
     epsilon: float = option(0.2, "Lower clipping range of the probability ratio.")
     epsilon_high: float | None = option(None, "Upper clipping range. None uses epsilon (DAPO recommends 0.28).")
     reward_weights: list[float] | None = option(None, "One weight per reward function. None weighs them all 1.0.")
-    mask_truncated_completions: bool = option(
-        False, "Exclude completions that hit max_completion_length without EOS from the loss."
-    )
+    mask_truncated_completions: bool = option(False, "Leave completions cut without EOS out of the loss.")
     log_completions: bool = option(False, "Print (and send to W&B) a sample of completions at every logging step.")
     log_multimodal: bool = option(True, "Include images in the logged completion samples.")
-    num_completions_to_print: int | None = option(
-        None, "Completions printed when log_completions is on. None prints all."
-    )
+    num_completions_to_print: int | None = option(None, "Completions printed by log_completions (None: all).")
     log_unique_prompts: bool = option(False, "Log each prompt once in completion samples.")
     use_transformers_continuous_batching: bool = option(
         False,
@@ -105,9 +81,7 @@ class OnlineConfig(PolicyConfig):
     transformers_continuous_batching_config: dict | str | None = option(
         None, "ContinuousBatchingConfig kwargs (JSON on the command line); max_memory_percent 0.5."
     )
-    use_transformers_paged: bool = option(
-        False, "Deprecated alias of use_transformers_continuous_batching (as in TRL)."
-    )
+    use_transformers_paged: bool = option(False, "Deprecated: use_transformers_continuous_batching (as in TRL).")
     strict_rewards: bool = option(
         False,
         "trl_unified only. Raise when every reward function returns None for a whole generation batch (TRL's "

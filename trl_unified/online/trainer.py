@@ -1,17 +1,9 @@
 """The online-RL core that RLOO, GRPO, PPO and distillation share, written once: orchestration only.
 
-`OnlineTrainer` owns the generation buffer and the rollout, in two stages with a typed hand-off:
-
-    sample(rows) -> Samples:        rows -> prompts (+ images; environments reset) -> completions
-                                    (`online/completions.py`: generation, rollout_func, tool loop)
-    finish(samples) -> RolloutBatch: old / reference per-token log-probs (as the trainer's `RolloutPlan` says) ->
-                                    `correct_sampling` -> `score_rollout`: rewards (gathered; errors name the step,
-                                    the function and the row), metrics (`online/metrics.py`), the completion log,
-                                    advantages (the trainer's `compute_advantages`)
-
-Synchronous training runs them back to back (`rollout`); sampling may run ahead of training, finishing happens under
-the current weights. The core never asks which trainer it serves: each decision is a hook (see `OnlineTrainer`).
-Datasets and samplers: `online/datasets.py`; config: `online/config.py`; a learned critic: `online/critic.py`.
+`OnlineTrainer` owns the generation buffer and the rollout, in two stages with a typed hand-off: `sample(rows) ->
+Samples` (prompts -> completions) and `finish(samples) -> RolloutBatch` (log-probs, rewards, metrics, advantages).
+Synchronous training runs them back to back (`rollout`); every trainer-specific decision is a hook.
+See docs/architecture.md ("The online family").
 """
 
 import logging
