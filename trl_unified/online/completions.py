@@ -48,7 +48,7 @@ class CompletionsMixin:
         (each row's tools bound to its environment instance in `environments`)."""
         prompts = copy.deepcopy(prompts)
         row_tools = [self.tools] * len(prompts)
-        if self._env is not None:
+        if self.tools and self._env is not None:  # a bare trainer without tools may lack `_env` (TRL's tests)
             row_tools = self._env.row_tools(environments if environments is not None else self._env.instances)
         sampling = dict(do_sample=do_sample, max_new_tokens=max_new_tokens)
         extra_fields: dict[str, Any] = {}
