@@ -2,10 +2,7 @@
 runs `trl_unified/scripts/<trainer>.py` (the script behind `examples/<trainer>.py` too) through `accelerate launch`,
 and `trl-unified env` prints the versions that matter.
 
-As in TRL's `TrainingCommand`, the script's `TrlParser` reads the YAML config (its `env:` block included) and the
-command line; what it does not know goes to `accelerate launch` (`--num_processes 2`, `--multi_gpu`,
-`--config_file`), and `--accelerate_config NAME` picks one of TRL's shipped accelerate configs (`zero3`,
-`multi_gpu`, ...) or a file. A flag neither knows gets argparse's error naming it.
+How flags are split between the script's `TrlParser` and `accelerate launch`: docs/cli.md ("Launching").
 """
 
 import argparse

@@ -147,45 +147,7 @@ def build_vision_language_model(words: list[str] | None = None, seed: int = 0, v
     2 frames per temporal patch), which needs torchvision (`pip install trl_unified[vision]`).
     """
     import torch
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    processor = _build_vision_processor(words, video)
-    tokenizer = processor.tokenizer
-    ids = tokenizer.convert_tokens_to_ids
-    text = dict(_common(tokenizer, 32, 2), rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
-    vision = dict(
-        depth=1,
-        embed_dim=32,
-        hidden_size=32,
-        num_heads=2,
-        mlp_ratio=2,
-        patch_size=14,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        in_chans=3,
-    )
-    config = Qwen2VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.bos_token_id = None
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, processor
-
-
-def _build_vision_processor(words: list[str] | None, video: bool):
-    """The Qwen2-VL processor of `build_vision_language_model` (see its docstring for the torchvision check)."""
-    from transformers import ProcessorMixin, Qwen2VLProcessor
+    from transformers import ProcessorMixin, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = build_tokenizer(words)
@@ -217,7 +179,36 @@ def _build_vision_processor(words: list[str] | None, video: bool):
         )
     finally:
         ProcessorMixin.check_argument_for_proper_class = check
-    return processor
+    ids = tokenizer.convert_tokens_to_ids
+    text = dict(_common(tokenizer, 32, 2), rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
+    vision = dict(
+        depth=1,
+        embed_dim=32,
+        hidden_size=32,
+        num_heads=2,
+        mlp_ratio=2,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        in_chans=3,
+    )
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = None
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, processor
 
 
 def build_image(seed: int = 0, size: int = 56):

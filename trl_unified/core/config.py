@@ -13,10 +13,7 @@ from ..evaluation.answers import ANSWER_EXTRACTORS
 
 
 def document_fields(cls):
-    """Class decorator: append an HF-style `Parameters:` section built from each new field's `help`.
-
-    Each field is documented once, in its `metadata["help"]`; the docstring cannot drift from it.
-    """
+    """Class decorator: append an HF-style `Parameters:` section built from each new field's `help` (one source)."""
     parent_fields = {f.name for f in dataclasses.fields(TrainingArguments)}
     lines = []
     for f in dataclasses.fields(cls):
@@ -32,9 +29,8 @@ def document_fields(cls):
 
 def option(default=None, help: str = "", default_factory=None):
     """A config field with its help text (the one source of its documentation, see `document_fields`)."""
-    if default_factory is not None:
-        return field(default_factory=default_factory, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+    kind = {"default_factory": default_factory} if default_factory is not None else {"default": default}
+    return field(**kind, metadata={"help": help})
 
 
 @dataclass
@@ -258,9 +254,8 @@ class PolicyConfig(TrainingArguments):
                 "nor 'regex:<pattern>'."
             )
         if self.answer_extractor.startswith("regex:"):
-            pattern = self.answer_extractor[len("regex:") :]
             try:
-                groups = re.compile(pattern).groups
+                groups = re.compile(self.answer_extractor[len("regex:") :]).groups
             except re.error as e:
                 raise ValueError(
                     f"answer_extractor={self.answer_extractor!r}: the pattern does not compile ({e}). Fix the regular "

@@ -14,15 +14,10 @@ from accelerate.utils import DistributedType
 logger = logging.getLogger(__name__)
 
 
-def fsdp_requested(args) -> bool:
-    """Whether the launch or the config asks for FSDP (`ACCELERATE_USE_FSDP`, `TrainingArguments.fsdp`)."""
-    from_env = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
-    return from_env or bool(args.fsdp)
-
-
 def engine_notice(accelerator, args) -> str | None:
     """The notice for a run that asked for FSDP and got another engine, or None."""
-    if not fsdp_requested(args) or accelerator.distributed_type == DistributedType.FSDP:
+    requested = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes") or bool(args.fsdp)
+    if not requested or accelerator.distributed_type == DistributedType.FSDP:
         return None
     engine = accelerator.distributed_type.value
     return (

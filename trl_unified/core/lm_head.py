@@ -23,14 +23,9 @@ from ..models.loading import base_model
 
 logger = logging.getLogger(__name__)
 
-# Positions per chunk: one chunk's float32 logits stay under this many elements (256 MB: 442 positions at 152k
-# tokens, as much as the head's own weight gradient at hidden size 442; the backward holds 1-2 such chunk tensors).
-# Fewer, larger chunks pass over the (V, H) weight gradient fewer times.
+# A chunk's float32 logits stay under this many elements (256 MB: 442 positions at 152k tokens; docs/lm_head.md).
 _CHUNK_ELEMENTS = 2**26
-# Inside `LinearTokenScores` the chunks are cut again into work chunks of at most this many logits (64 MB: 110
-# positions at 152k tokens): its forward keeps nothing per chunk and its backward recomputes, so the size only sets
-# the peak (the head's forward and backward run while every activation is held) and how often the weight and its
-# gradient are streamed.
+# `LinearTokenScores` cuts its chunks into work chunks of at most this many logits (64 MB): it sets the peak.
 _WORK_ELEMENTS = 2**24
 
 # Models whose hidden-state path was checked against their own logits: model -> True (matches) / False.
@@ -51,14 +46,10 @@ def logit_transform(model) -> tuple[float, float | None]:
     model's own logits: Cohere's `logit_scale`, Falcon-H1's `lm_head_multiplier`, `output_multiplier`, Granite's
     division by `logits_scaling`, and Gemma 2's `final_logit_softcapping`."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    scale = 1.0
-    for name in ("logit_scale", "lm_head_multiplier", "output_multiplier"):
-        if getattr(config, name, None) is not None:
-            scale = float(getattr(config, name))
-            break
-    else:
-        if getattr(config, "logits_scaling", None) is not None:
-            scale = 1.0 / float(config.logits_scaling)
+    scales = [getattr(config, name, None) for name in ("logit_scale", "lm_head_multiplier", "output_multiplier")]
+    scale = next((float(s) for s in scales if s is not None), None)
+    if scale is None:
+        scale = 1.0 / float(config.logits_scaling) if getattr(config, "logits_scaling", None) is not None else 1.0
     return scale, getattr(config, "final_logit_softcapping", None)
 
 
@@ -93,10 +84,9 @@ class HiddenStateHead:
     @classmethod
     def of(cls, model) -> "HiddenStateHead | None":
         """The head path of `model`, or None (the reason logged once) where the model's own logits must be used."""
-        if _VERIFIED.get(_bare(model)) is False:
+        bare, reason = _bare(model), None
+        if _VERIFIED.get(bare) is False:
             return None
-        reason = None
-        bare = _bare(model)
         if "OptimizedModule" in type(model).__name__ or hasattr(bare, "_orig_mod"):
             reason = "the model is compiled (torch.compile)"
         else:
@@ -167,13 +157,6 @@ class HiddenStateHead:
         return _VERIFIED[bare]
 
 
-@dataclass
-class _Sink:
-    """No-grad per-chunk values, filled by a chunk's first run (a checkpoint's recompute skips them)."""
-
-    values: dict[str, torch.Tensor] | None = None
-
-
 def token_scores(
     hidden: torch.Tensor,
     targets: torch.Tensor,
@@ -183,7 +166,6 @@ def token_scores(
     entropy_requires_grad: bool = False,
     logits_stats: Callable | None = None,
     vocabulary: int | None = None,
-    chunk_size: int | None = None,
     linear: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """`(log-probs, entropies or None, stats)`, each `(B, C)`, of `targets` `(B, C)` from hidden states `(B, C, H)`.
@@ -191,13 +173,13 @@ def token_scores(
     `logits_fn(h)` gives a chunk's logits `(n, V)`; they are divided by `temperature`, then
     `log p = z[target] - logsumexp(z)` and `H = logsumexp(z) - sum_v softmax(z)_v z_v` in float32 (the formulas
     of `selective_log_softmax` and `entropy_from_logits`); `logits_stats(logits (1, n, V), targets (1, n))` runs
-    without grad on each chunk. Chunks of `chunk_size` positions (from `_CHUNK_ELEMENTS` and `vocabulary`) are
+    without grad on each chunk. Chunks of positions (from `_CHUNK_ELEMENTS` and `vocabulary`) are
     recomputed in the backward when the hidden states require grad and there is more than one chunk: by
     `LinearTokenScores` where the head is a plain linear layer (`linear`: its weight and scale), else by running
     each chunk under `checkpoint`."""
     batch, width = targets.shape
     flat_hidden, flat_targets = hidden.reshape(batch * width, -1), targets.reshape(-1)
-    chunk_size = chunk_size or max(1, _CHUNK_ELEMENTS // max(1, vocabulary or 1))
+    chunk_size = max(1, _CHUNK_ELEMENTS // max(1, vocabulary or 1))
     grad = torch.is_grad_enabled() and flat_hidden.requires_grad
     # One chunk holds everything: checkpointing it would save nothing and recompute its logits.
     checkpointed = grad and flat_hidden.size(0) > chunk_size
@@ -213,12 +195,12 @@ def token_scores(
         return logp.view(batch, width), entropy.view(batch, width) if compute_entropy else None, stats
     logps, entropies, sinks = [], [], []
     for start in range(0, flat_hidden.size(0), chunk_size):
-        sink = _Sink()
+        sink = {}  # no-grad per-chunk values, filled by the chunk's first run (a checkpoint's recompute skips them)
         arguments = (flat_hidden[start : start + chunk_size], flat_targets[start : start + chunk_size], sink, *options)
         logp, entropy = checkpoint(_chunk, *arguments, use_reentrant=False) if checkpointed else _chunk(*arguments)
         logps.append(logp)
-        entropies.append(entropy if entropy is not None else sink.values.get("entropy"))
-        sinks.append(sink.values)
+        entropies.append(entropy if entropy is not None else sink.get("entropy"))
+        sinks.append(sink)
     names = [name for name in (sinks[0] if sinks else {}) if name != "entropy"]
     stats = {name: torch.cat([s[name] for s in sinks]).view(batch, width) for name in names}
     entropy = torch.cat(entropies).view(batch, width) if compute_entropy else None
@@ -233,14 +215,13 @@ def _chunk(hidden, targets, sink, logits_fn, temperature, compute_entropy, entro
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if entropy_with_grad else None
-    if sink.values is None:  # the first run of this chunk (not a checkpoint recompute)
+    if not sink:  # the first run of this chunk (not a checkpoint recompute)
         with torch.no_grad():
-            sink.values = {}
             if compute_entropy and not entropy_with_grad:
-                sink.values["entropy"] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+                sink["entropy"] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
             if logits_stats is not None:
                 for name, value in logits_stats(logits[None], targets[None]).items():
-                    sink.values[name] = value[0]
+                    sink[name] = value[0]
     return logp, entropy
 
 

@@ -189,18 +189,13 @@ def _score_rows(model, head: HiddenStateHead | None, inputs, scoring: dict, scor
             outputs = _forward(model, input_ids, attention_mask, logits_to_keep, 1, shared_prefix, positions, kwargs)
         if head.matches(outputs.logits):
             hidden = head.hidden[:, -(logits_to_keep + 1) : -1]  # position t predicts token t + 1
-            vocabulary = outputs.logits.size(-1)
-            real = None if score_padding else attention_mask[:, -logits_to_keep:].bool()
+            real, place = None if score_padding else attention_mask[:, -logits_to_keep:].bool(), None
             if real is not None and 0 < int(real.sum()) < real.numel():  # only real tokens to the vocabulary
-                scores = token_scores(hidden[real][None], targets[real][None], head.logits, vocabulary=vocabulary,
-                                      linear=head.linear(), **scoring)  # fmt: skip
-                return (
-                    _place(scores, lambda values: values.new_zeros(real.shape).masked_scatter(real, values)),
-                    outputs,
-                    head,
-                )
+                hidden, targets = hidden[real][None], targets[real][None]
+                place = lambda values: values.new_zeros(real.shape).masked_scatter(real, values)
+            vocabulary = outputs.logits.size(-1)
             scores = token_scores(hidden, targets, head.logits, vocabulary=vocabulary, linear=head.linear(), **scoring)
-            return scores, outputs, head
+            return (scores if place is None else _place(scores, place)), outputs, head
     outputs = _forward(
         model, input_ids, attention_mask, logits_to_keep, logits_to_keep + 1, shared_prefix, positions, kwargs
     )
@@ -246,9 +241,16 @@ def compute_shared_logprobs(
     return TokenLogprobs(logps=logps, entropy=entropy, stats=stats), detached
 
 
-def _may_pack(model, shared_prefix: bool, position_ids, forward_kwargs: dict) -> bool:
-    """Whether a `padding_free` call may pack its rows: bad combinations raise, a model or inputs that cannot be
-    packed are reported once (`report_fallback`)."""
+def _packs(model, attention_mask: torch.Tensor, shared_prefix: bool, position_ids, forward_kwargs, auto: bool) -> bool:
+    """Whether this call packs its rows: `padding_free=True` where allowed (with shared_prefix or position_ids it
+    raises; a model or inputs that cannot be packed are reported once); auto (`padding_free=None`) where no other
+    layout is asked for, there are 2+ rows, at least `PACKING_MIN_PADDING` of the slots are padding (a packed row
+    attends each sequence on its own, which costs more than one batched attention over rows without padding), and
+    packing is allowed."""
+    if auto and (shared_prefix or position_ids is not None or attention_mask.size(0) < 2):
+        return False
+    if auto and int(attention_mask.sum()) > (1 - PACKING_MIN_PADDING) * attention_mask.numel():
+        return False
     if shared_prefix:
         raise ValueError("padding_free and shared_prefix are two layouts of the same forward: choose one.")
     if position_ids is not None:
@@ -259,25 +261,12 @@ def _may_pack(model, shared_prefix: bool, position_ids, forward_kwargs: dict) ->
     return reason is None
 
 
-def _packs(model, attention_mask: torch.Tensor, shared_prefix: bool, position_ids, forward_kwargs, auto: bool) -> bool:
-    """Whether this call packs its rows: `padding_free=True` where allowed (`_may_pack`, which reports why not);
-    auto (`padding_free=None`) where no other layout is asked for, there are 2+ rows, at least `PACKING_MIN_PADDING`
-    of the slots are padding (a packed row attends each sequence on its own, which costs more than one batched
-    attention over rows without padding), and packing is allowed."""
-    if auto and (shared_prefix or position_ids is not None or attention_mask.size(0) < 2):
-        return False
-    if auto and int(attention_mask.sum()) > (1 - PACKING_MIN_PADDING) * attention_mask.numel():
-        return False
-    return _may_pack(model, shared_prefix, position_ids, forward_kwargs)
-
-
 def _packed(model, inputs) -> PackedRows | None:
     """The packed form of one batch of rows, or None (reported) where its rows or the model cannot be packed."""
-    input_ids, attention_mask, logits_to_keep = inputs[:3]
-    packed = PackedRows.build(input_ids, attention_mask, logits_to_keep)
+    packed = PackedRows.build(*inputs[:3])
     if packed is None:
         report_fallback("log-prob forward", "a row's real tokens are not one contiguous span", "padding_free")
-    elif packed.source.numel() == 0 or not check_packing(model, input_ids, attention_mask):
+    elif packed.source.numel() == 0 or not check_packing(model, *inputs[:2]):
         return None
     return packed
 

@@ -1,13 +1,6 @@
-"""Padding-free forwards: the rows of a batch flattened into one sequence without padding, as TRL's `padding_free`
-does for SFT.
-
-The `B` rows become one row of `N = Σ_i L_i` real tokens whose position ids restart at 0 at each row's first token;
-the boundaries are also passed as FlashAttention's `cu_seq_lens_q/k`, `max_length_q/k`. For sdpa, `segmented_sdpa`
-(registered over transformers' "sdpa" on the first packed forward, a pass-through for every other call) attends each
-sequence on its own: `Σ_i L_i²` instead of a dense `N²` block-diagonal mask, whose backward also leaves sdpa's fused
-kernels. Each model is checked once on its first packed forward; what cannot be packed takes the padded path, with
-one log line (`report_fallback`). See docs/padding_free.md.
-"""
+"""Padding-free forwards (docs/padding_free.md): the `B` rows of a batch as one row of `N = Σ_i L_i` real tokens,
+positions restarting at each row's first token, as TRL's `padding_free` for SFT; `segmented_sdpa` attends each
+sequence on its own (`Σ_i L_i²`, not a dense `N²` mask). Each model is checked once; a fallback is logged once."""
 
 import functools
 import inspect
@@ -82,7 +75,7 @@ class PackedRows:
         arguments on to its attention) the sequence boundaries; no cache, so that transformers reads the restarting
         positions as boundaries."""
         inputs = dict(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=False)
-        if _passes_attention_kwargs(model):
+        if _takes_var_keywords(type(_bare(model))):  # transformers models pass **kwargs on to their attention
             install_segmented_sdpa()
             longest = int((self.boundaries[1:] - self.boundaries[:-1]).max())
             inputs.update(cu_seq_lens_q=self.boundaries, cu_seq_lens_k=self.boundaries,
@@ -93,11 +86,6 @@ class PackedRows:
         """`(1, M)` per-scored-token values -> the `(B, C)` layout (zero / False where nothing is scored)."""
         out = values.new_zeros(self.shape)
         return out.index_put((self.rows, self.columns), values.reshape(-1))
-
-
-def _passes_attention_kwargs(model) -> bool:
-    """Whether the model's forward takes `**kwargs` (transformers models pass them on to their attention)."""
-    return _takes_var_keywords(type(_bare(model)))
 
 
 @functools.cache

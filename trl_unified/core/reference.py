@@ -2,7 +2,6 @@
 
 import contextlib
 import copy
-from copy import deepcopy
 
 import torch
 from accelerate.utils import is_peft_model
@@ -31,8 +30,7 @@ class ReferenceModel:
         before the first step, with no ref_model given: no copy is kept).
       - `"copy"`: a separate frozen model in eval mode (from `ref_model`, also beside a PEFT policy, as TRL; or a
         deep copy of the policy; also for a PEFT policy whose pretrained adapter targets parameters, which PEFT
-        cannot pair with a "ref" adapter),
-        prepared by accelerate / DeepSpeed / FSDP.
+        cannot pair with a "ref" adapter), prepared by accelerate / DeepSpeed / FSDP.
     """
 
     def __init__(self, kind: str, model: torch.nn.Module | None = None, policy: torch.nn.Module | None = None):
@@ -58,36 +56,29 @@ class ReferenceModel:
                 )
             return cls("none")
         if is_peft_model(policy) and ref_model is None:  # a given ref_model is the reference, PEFT or not (TRL)
-            if adapter_is_pretrained and _adapter_targets_parameters(policy):
+            if adapter_is_pretrained and getattr(policy.peft_config[policy.active_adapter], "target_parameters", None):
                 # PEFT hosts one adapter per model when LoRA targets parameters (peft#3340): no "ref" adapter can
                 # be added, so the starting policy is kept as a frozen copy (TRL falls back to the base model).
-                ref = copy.deepcopy(policy).requires_grad_(False)
-                return cls("copy", model=ref.eval())
+                return cls("copy", model=copy.deepcopy(policy).requires_grad_(False).eval())
             if adapter_is_pretrained:
                 _add_frozen_ref_adapter(policy)
                 return cls("ref_adapter", policy=policy)
             return cls("adapter_disabled", policy=policy)
         if policy_is_reference and ref_model is None:
             return cls("policy", policy=policy)
+        if ref_model is None and any(hasattr(p, "ds_id") for p in policy.parameters()):
+            ref_model = policy.config._name_or_path  # a ZeRO-3 partitioned policy cannot be deep-copied: reload it
         if isinstance(ref_model, str):
             ref = load_model(ref_model, args, quantization_config, what="reference model")
-        elif ref_model is not None:
-            ref = ref_model
-        elif _is_zero3_partitioned(policy):
-            # A ZeRO-3 partitioned policy cannot be deep-copied: reload it, partitioned the same way.
-            ref = load_model(policy.config._name_or_path, args, quantization_config, what="reference model")
-        else:
-            # A deep copy works for models built in memory and never saved (reloading by name would fail there).
-            ref = copy.deepcopy(policy)
+        else:  # a deep copy works for models built in memory and never saved (reloading by name would fail there)
+            ref = ref_model if ref_model is not None else copy.deepcopy(policy)
         _check_same_vocabulary(policy, ref)
         if args.disable_dropout:
             disable_dropout(ref)
-        ref.requires_grad_(False)
-        return cls("copy", model=ref.eval())
+        return cls("copy", model=ref.requires_grad_(False).eval())
 
     def prepare(self, accelerator) -> None:
-        """Place the separate reference on the engine in use: DeepSpeed (ZeRO-3 stays sharded, lower stages run
-        inference-only), FSDP (sharded like the policy), or device placement without DDP."""
+        """Place a separate reference on the engine in use (`prepare_frozen_model`)."""
         if self.kind == "copy":
             self.model = prepare_frozen_model(self.model, accelerator)
 
@@ -102,14 +93,11 @@ class ReferenceModel:
             raise RuntimeError(
                 "This trainer has no reference model (beta == 0). Check trainer.reference_model.available."
             )
-        if self.kind == "copy":
-            yield self.model
-            return
-        if self.kind == "policy":
-            yield policy_wrapped if policy_wrapped is not None else self.policy
+        callable_model = policy_wrapped if policy_wrapped is not None else self.policy
+        if self.kind in ("copy", "policy"):
+            yield self.model if self.kind == "copy" else callable_model
             return
         peft_model = accelerator.unwrap_model(policy_wrapped) if accelerator is not None else self.policy
-        callable_model = policy_wrapped if policy_wrapped is not None else self.policy
         if self.kind == "adapter_disabled":
             with peft_model.disable_adapter():
                 yield callable_model
@@ -154,10 +142,6 @@ def _freeze_adapter(model, name: str) -> None:
             param.requires_grad_(False)
 
 
-def _adapter_targets_parameters(model) -> bool:
-    return bool(getattr(model.peft_config[model.active_adapter], "target_parameters", None))
-
-
 def _add_frozen_ref_adapter(model) -> None:
     """Add adapter "ref" as a frozen copy of the active adapter (its weights as they arrived)."""
     active = model.active_adapter
@@ -170,14 +154,10 @@ def _add_frozen_ref_adapter(model) -> None:
     _freeze_adapter(model, REF_ADAPTER)
 
 
-def _is_zero3_partitioned(model) -> bool:
-    return any(hasattr(p, "ds_id") for p in model.parameters())
-
-
 def _prepare_deepspeed(model, accelerator):
     import deepspeed
 
-    config = deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+    config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
     stage = config["zero_optimization"]["stage"]
     hidden = getattr(model.config, "hidden_size", None)
     if hidden is not None and stage == 3:

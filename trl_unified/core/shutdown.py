@@ -1,21 +1,12 @@
-"""A deterministic end for multi-process runs: no SIGABRT at interpreter exit after training succeeded.
+"""A deterministic end for multi-process runs: no SIGABRT at interpreter exit after training succeeded
+(docs/architecture.md, "Process shutdown", has the two failure modes and the fixed order).
 
-Root cause (measured on 2 CPU processes with gloo, DDP and DeepSpeed ZeRO-3): `transformers.Trainer` never destroys
-the process group, and even `torch.distributed.destroy_process_group()` does not stop gloo's worker threads
-(`pt_gloo_runloop`, `gloo_tcp_loop`): they live as long as the C++ `ProcessGroupGloo`, which Python objects keep
-referenced (the DDP wrapper's `process_group`, DeepSpeed's engine and optimizer, every ZeRO-3 parameter's
-`ds_process_group`) until interpreter finalization, and tearing the group down there aborts one rank in about one run
-in ten to three (`terminate called without an active exception`); `accelerate launch` then reports the whole job as
-failed. A rarer hang (2 of ~15 runs): whatever frees the DDP wrapper's C++ `Reducer` after the group was destroyed (a
-garbage collection at any allocation) runs `ProcessGroupGloo`'s destructor, which joins gloo's threads while holding
-the GIL that one of them waits for.
-
-Hence the fixed order: `release_ddp_wrapper` when `train()` returns; at exit, after the other exit handlers (this one
-is registered when trl_unified is imported, so later ones such as W&B's run first; logging and multiprocessing,
-registered earlier, are run by it), the group is destroyed with garbage collection off, and if gloo threads remain,
-output is flushed and the process ends with `os._exit`, skipping only the finalization that would abort. Exit status:
-1 after an uncaught exception, the code given to `sys.exit(...)` / `exit(...)`, else 0. See docs/architecture.md
-("Process shutdown").
+Facts behind it (2 CPU processes, gloo, DDP and ZeRO-3): gloo's threads (`pt_gloo_runloop`, `gloo_tcp_loop`) outlive
+`destroy_process_group()` while the DDP wrapper's `process_group`, DeepSpeed's engine and optimizer and every ZeRO-3
+parameter's `ds_process_group` keep `ProcessGroupGloo` referenced; its teardown at finalization aborts one rank in one
+run in ten to three, and a late free of the DDP `Reducer` hangs 2 runs of ~15. The exit handler is registered when
+trl_unified is imported, so later ones (W&B's) run first; logging's and multiprocessing's, registered earlier, are run
+by it. Exit status: 1 after an uncaught exception, the code given to `sys.exit(...)` / `exit(...)`, else 0.
 """
 
 import atexit

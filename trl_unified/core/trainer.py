@@ -55,23 +55,10 @@ _LOGPROB_OPTIONS = set(inspect.signature(compute_token_logprobs).parameters) - {
 
 class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
     """Base of every trl_unified trainer: model loading, reference model, generation, log-probs, evaluation with
-    generative accuracy, metric logging, model cards.
-
-    A subclass declares, as class attributes, `_name` (its `PAPERS` entry and Hub tags follow from it) and
-    `config_class`, and implements `compute_policy_loss(model, inputs, num_items_in_batch)` → loss tensor, or
-    `(loss, model_outputs)` (record metrics with `self.log_metric(name, value)`).
-
-    Every other hook is a method without arguments beyond its data, called after `transformers.Trainer.__init__` (so
-    `self.args`, `self.model`, `self.processing_class` and `self.accelerator` exist), in this order:
-
-    1. `prepare_dataset(dataset, name)`: validate / tokenise each dataset (train, then each eval set);
-    2. `needs_reference()`, `reference_is_policy()`: which reference model is built (`self.reference_model`);
-    3. `make_data_collator()`: the collator, when the user passed none;
-    4. `setup()`: anything else the trainer needs once (e.g. reward functions), with the above in place.
-
-    Constructor arguments that only a subclass has are stored on `self` before `super().__init__` (a hook may read
-    them). Evaluation adds `eval_prompt(row)` and `reference_answer(row)`; generation adds `generation_options()`.
-    """
+    generative accuracy, metric logging, model cards. A subclass declares `_name` and `config_class` and implements
+    `compute_policy_loss(model, inputs, num_items_in_batch)` → loss or `(loss, outputs)`; the hooks run after
+    `transformers.Trainer.__init__`, in this order: `prepare_dataset(dataset, name)`, `needs_reference()` /
+    `reference_is_policy()`, `make_data_collator()`, `setup()` (docs/architecture.md, "One hook style, one order")."""
 
     _name = "Policy"
     _tag_names: list[str] = ["trl_unified"]
@@ -309,12 +296,9 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
 
     def token_logprobs(self, model, input_ids, attention_mask, logits_to_keep, **kwargs) -> TokenLogprobs:
         """Per-token log-probs of the last `logits_to_keep` tokens under `model`, at the sampling temperature, under
-        autocast; `compute_token_logprobs`'s options pass through. Two class attributes shape every such forward:
-        `repeats_prompts` (rows repeat their prompt, e.g. groups of G completions: each prompt is encoded once where
-        `uses_shared_prefix` allows it) and `positions_from_mask` (position ids that skip left padding, as
-        generation numbers them: TRL's PPO). With `args.padding_free=True` the rows are packed instead
-        (`core/packing.py`), positions counted from each row's first token; None (auto) packs them where prompts are
-        not shared and padding is large (`compute_token_logprobs`)."""
+        autocast; `compute_token_logprobs`'s options pass through. Class attributes: `repeats_prompts` (rows repeat
+        their prompt: each prompt encoded once where `uses_shared_prefix` allows it) and `positions_from_mask`
+        (position ids that skip left padding: TRL's PPO). `args.padding_free`: docs/padding_free.md."""
         kwargs.setdefault("from_hidden_states", self.args.chunked_lm_head)
         kwargs.setdefault("padding_free", self.args.padding_free)
         if self.positions_from_mask and not kwargs["padding_free"]:  # packed rows count positions so already
@@ -329,21 +313,12 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
                 model, input_ids, attention_mask, logits_to_keep, temperature=self.logprob_temperature, **kwargs
             )
 
-    def uses_shared_prefix(
-        self, model, where: str, extra=None, router_logits=False, generation_config=None, continuous_batching=False
-    ) -> bool:
+    def uses_shared_prefix(self, model, where: str, extra=None, router_logits=False, **conditions) -> bool:
         """Whether `where` (e.g. "log-prob forward") encodes repeated prompts once (`args.shared_prefix`): the one
         decision of `generation/sharing.py` (`may_share_prefix`: the model, extra inputs such as images, the MoE loss,
         beam search, continuous batching), a fallback reported once with its reason."""
-        if self.args.shared_prefix is False:
-            return False
-        return may_share_prefix(
-            where,
-            model,
-            extra,
-            router_logits=router_logits,
-            generation_config=generation_config,
-            continuous_batching=continuous_batching,
+        return self.args.shared_prefix is not False and may_share_prefix(
+            where, model, extra, router_logits=router_logits, **conditions
         )
 
     def _check_shared_prefix_support(self) -> None:
@@ -364,11 +339,9 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         result = self.compute_policy_loss(model, inputs, num_items_in_batch)
         loss, outputs = result if isinstance(result, tuple) else (result, None)
-        if return_outputs:
-            if outputs is None:
-                raise ValueError(f"{type(self).__name__}.compute_loss cannot return model outputs.")
-            return loss, outputs
-        return loss
+        if return_outputs and outputs is None:
+            raise ValueError(f"{type(self).__name__}.compute_loss cannot return model outputs.")
+        return (loss, outputs) if return_outputs else loss
 
     def train(self, *args, **kwargs):
         try:
@@ -388,8 +361,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         loss, outputs = result if isinstance(result, tuple) else (result, None)
         if prediction_loss_only or self.compute_metrics is None:  # logits are kept only for compute_metrics
             return loss.detach(), None, None
-        logits, labels = self.prediction_outputs(model, inputs, outputs)
-        return loss.detach(), logits, labels
+        return loss.detach(), *self.prediction_outputs(model, inputs, outputs)
 
     def prediction_outputs(self, model, inputs, outputs):
         """`(logits, labels)` handed to `compute_metrics`: by default the loss forward's logits and the batch's
@@ -450,9 +422,8 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
     # ------------------------------------------------------------------ saving
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None, **kwargs):
         """Write README.md (trainer, base model, datasets, tags, the algorithm's paper) into `output_dir`."""
-        if not self.is_world_process_zero():
-            return
-        write_model_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if self.is_world_process_zero():
+            write_model_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """`Trainer.save_model`, plus the model card (README.md) beside the weights."""

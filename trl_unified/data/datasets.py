@@ -1,6 +1,5 @@
 """Dataset formats and checks, padding, and the grouped samplers (map-style and streaming) of the online trainers."""
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -8,9 +7,6 @@ import torch
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
 from ..models.loading import base_model, get_tokenizer
-
-
-logger = logging.getLogger(__name__)
 
 
 IMAGE_COLUMNS = ("image", "images")
@@ -178,15 +174,10 @@ def check_dataset_types(train_dataset, eval_dataset) -> None:
             )
 
 
-def first_row(dataset) -> dict[str, Any]:
-    """The first row of a dataset (an `IterableDataset` is read once), or {} when it is empty."""
-    return next(iter(dataset), {}) if dataset is not None else {}
-
-
 def dataset_columns(dataset) -> list[str]:
     """Column names, read from the first row when an iterable dataset does not declare them."""
     names = column_names(dataset)
-    return names if names is not None else list(first_row(dataset))
+    return names if names is not None else list(next(iter(dataset), {}))  # an iterable dataset: its first row
 
 
 def check_images_fit(dataset, processing_class, model) -> None:

@@ -20,11 +20,6 @@ from trl import prepare_multimodal_messages
 from .datasets import get_images, get_videos
 
 
-def has_visuals(row: dict[str, Any]) -> bool:
-    """Whether a row carries images or videos (its columns; the values may be empty)."""
-    return any(key in row for key in ("images", "image", "videos", "video"))
-
-
 def prepare_visual_messages(messages, images=None, videos=None) -> list[dict[str, Any]]:
     """`trl.prepare_multimodal_messages` (one image part per image before the first user text), then one video part
     per video after them, unless the messages already hold video parts."""

@@ -172,7 +172,6 @@ def _build_answer_accuracy():
 
 def __getattr__(name):
     if name == "AnswerAccuracy":
-        cls = _build_answer_accuracy()
-        globals()["AnswerAccuracy"] = cls
+        globals()["AnswerAccuracy"] = cls = _build_answer_accuracy()
         return cls
     raise AttributeError(name)

@@ -40,7 +40,13 @@ class GenerativeEvalMixin:
         if not self.args.generative_eval or dataset is None:
             return {}
         if names is not None and not self._has_reference_answers(names):
-            self._warn_no_answer_column(names)
+            if self.accelerator.is_main_process and not getattr(self, "_warned_no_answers", False):  # once per run
+                self._warned_no_answers = True
+                logger.warning(
+                    f"Generative evaluation is on, but the eval dataset has no {self.args.eval_answer_field!r} column "
+                    f"(eval_answer_field; its columns: {names}), so no eval_accuracy is logged. Name the "
+                    "reference-answer column with eval_answer_field, or set generative_eval=False to silence this."
+                )
             return {}
         local = []
         for index, row in self._local_eval_rows(dataset):
@@ -84,17 +90,6 @@ class GenerativeEvalMixin:
             max_new_tokens=self.args.eval_max_new_tokens,
             batch_size=self.args.per_device_eval_batch_size,
         ).texts
-
-    def _warn_no_answer_column(self, names: list[str]) -> None:
-        if not getattr(self, "_warned_no_answers", False):  # once per run, from the main process
-            self._warned_no_answers = True
-            if not self.accelerator.is_main_process:
-                return
-            logger.warning(
-                f"Generative evaluation is on, but the eval dataset has no {self.args.eval_answer_field!r} column "
-                f"(eval_answer_field; its columns: {names}), so no eval_accuracy is logged. Name the reference-answer "
-                "column with eval_answer_field, or set generative_eval=False to silence this."
-            )
 
     def _has_reference_answers(self, names: list[str]) -> bool:
         return self.args.eval_answer_field in names

@@ -5,6 +5,7 @@ lean decode loop (lean.py) or `model.generate` (transformers_generate.py), the l
 where it cannot decode (the reason logged once), either one optionally on a shared-prefix cache (sharing.py).
 """
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -15,14 +16,7 @@ from ..models.token_ids import embedding_rows, padding_fill_id
 from . import lean, transformers_generate
 from .continuous_batching import generate_with_continuous_batching
 from .fallbacks import report_fallback
-from .options import (
-    GenerationOptions,
-    eos_ids,
-    get_eos_token_ids,
-    resolve_options,
-    with_decoder_start_token,
-    with_pad_in_table,
-)
+from .options import GenerationOptions, eos_ids, get_eos_token_ids, resolve_options, with_pad_in_table
 from .output import GenerationOutput, build_output, cut_after_eos
 from .packed_weights import MIN_NEW_TOKENS, packed_linear_weights
 from .prompts import collate_chunk, encode_for_generation, padding_token_id
@@ -97,7 +91,9 @@ def _generate_with_model(model, encoded, generation_config, options: GenerationO
     prompts at once with continuous batching, else padded chunks (the lean loop or `model.generate`)."""
     with unwrap_for_generation(model, options.accelerator, options.gather_deepspeed3_params, generation_config) as m:
         is_encoder_decoder = getattr(m.config, "is_encoder_decoder", False)
-        generation_config = with_decoder_start_token(m, generation_config)
+        if is_encoder_decoder and generation_config is not None and generation_config.decoder_start_token_id is None:
+            generation_config = copy.deepcopy(generation_config)  # with the start token an encoder-decoder needs
+            generation_config.decoder_start_token_id = m.config.decoder_start_token_id
         if options.continuous_batching is not None:
             return generate_with_continuous_batching(m, encoded, generation_config, options), [], is_encoder_decoder
         pad_id = padding_token_id(tokenizer)
@@ -153,12 +149,8 @@ def _generate_in_chunks(model, encoded, generation_config, options: GenerationOp
 def _generate_chunk(
     model, chunk, generation_config, shared_prefix: bool, lean_obstacle: str | None, return_logprobs: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Prompt + new tokens for one chunk, as `model.generate` returns them, and with `return_logprobs` the new
-    tokens' log-probs when the lean loop decoded (None when `model.generate` did).
-
-    Decoded by the lean loop unless `lean_obstacle` or the model / options rule it out (`lean.unsupported_reason`),
-    then by `model.generate`; the reason is logged once. With `shared_prefix`, each distinct prompt is prefilled once
-    (`sharing.chunk_groups`, `sharing.generation_prefix_cache`) and either engine continues from that cache."""
+    """Prompt + new tokens of one chunk and, with `return_logprobs`, their log-probs (None from `model.generate`):
+    the lean loop unless `lean_obstacle` or `lean.unsupported_reason` (logged once), on a shared-prefix cache."""
     generation_config = generation_config or model.generation_config
     lean_reason = lean_obstacle or lean.unsupported_reason(model, generation_config, chunk)
     if lean_reason is not None:

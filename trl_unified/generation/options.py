@@ -138,15 +138,6 @@ def build_generation_config(
     return GenerationConfig(**kwargs, disable_compile=True)
 
 
-def with_decoder_start_token(model, generation_config: GenerationConfig | None) -> GenerationConfig | None:
-    """`generation_config`, copied with the model's `decoder_start_token_id` where an encoder-decoder needs it."""
-    is_encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
-    if is_encoder_decoder and generation_config is not None and generation_config.decoder_start_token_id is None:
-        generation_config = copy.deepcopy(generation_config)
-        generation_config.decoder_start_token_id = model.config.decoder_start_token_id
-    return generation_config
-
-
 def eos_ids(generation_config: GenerationConfig) -> list[int]:
     """The EOS ids of a generation config, as a list (empty when unset)."""
     eos = generation_config.eos_token_id

@@ -125,20 +125,15 @@ def build_output(
     is_encoder_decoder: bool,
     device,
 ) -> GenerationOutput:
-    """The output for the encoded prompts (`prompts.encode_for_generation`) and each one's new tokens.
-
-    Prompts are left-padded (to `options.pad_to_multiple_of`), completions right-padded and cut after their first
-    EOS, columns that are padding in every row dropped; `logprobs` (one row per completion, None where
-    `model.generate` decoded) are kept only when every row has them and `options.return_logprobs` is set.
-    """
+    """The output for the encoded prompts and their new tokens: completions cut after their first EOS, all-padding
+    columns dropped; `logprobs` (None rows where `model.generate` decoded) kept where every row has them."""
     if not encoded:  # nothing to generate here (e.g. this process's share of a small eval set)
         empty = torch.zeros(0, 0, dtype=torch.long, device=device)
         return GenerationOutput(empty, empty, empty, empty, [], torch.zeros(0, dtype=torch.bool, device=device))
     pad_token_id = padding_token_id(tokenizer)
-    pad_to_multiple_of = options.pad_to_multiple_of
     prompt_tensors = [torch.as_tensor(e["input_ids"]).view(-1) for e in encoded]
-    prompt_ids = pad(prompt_tensors, pad_token_id, "left", pad_to_multiple_of).to(device)
-    prompt_mask = pad([torch.ones_like(t) for t in prompt_tensors], 0, "left", pad_to_multiple_of).to(device)
+    prompt_ids = pad(prompt_tensors, pad_token_id, "left", options.pad_to_multiple_of).to(device)
+    prompt_mask = pad([torch.ones_like(t) for t in prompt_tensors], 0, "left", options.pad_to_multiple_of).to(device)
     completion_ids = pad(completions, pad_token_id, "right").to(device)
     completion_ids, completion_mask, is_truncated = cut_after_eos(completion_ids, eos_token_ids, pad_token_id)
     width = int(completion_mask.sum(1).max()) if len(completions) else 0  # drop columns that are padding everywhere
@@ -147,12 +142,9 @@ def build_output(
     if options.return_logprobs and logprobs and all(row is not None for row in logprobs):
         token_logprobs = pad(logprobs, 0.0, "right").to(device)[:, :width] * completion_mask
     kept = [ids[m.bool()].tolist() for ids, m in zip(completion_ids, completion_mask, strict=True)]
-    if options.strip_prompt or is_encoder_decoder:
-        texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
-    else:
-        texts = tokenizer.batch_decode(
-            [p.tolist() + c for p, c in zip(prompt_tensors, kept)], skip_special_tokens=True
-        )
+    if not (options.strip_prompt or is_encoder_decoder):
+        kept = [p.tolist() + c for p, c in zip(prompt_tensors, kept)]
+    texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
     visual_inputs, prompt_token_inputs = _processor_inputs(encoded, options, device)
     return GenerationOutput(
         prompt_ids,
@@ -177,14 +169,8 @@ def _processor_inputs(encoded, options: GenerationOptions, device) -> tuple[list
                 [e[key].view(-1) for e in encoded], 0, "left", options.pad_to_multiple_of
             ).to(device)
     if options.has_visual_inputs:
-        visual_inputs = [
-            {
-                k: v
-                for k, v in e.items()
-                if k not in ("input_ids", "attention_mask")
-                and isinstance(v, torch.Tensor)
-                and not is_sequence_aligned(v, e["input_ids"])
-            }
+        visual_inputs = [  # input_ids and attention_mask are (1, L) here: sequence-aligned, so left out
+            {k: v for k, v in e.items() if isinstance(v, torch.Tensor) and not is_sequence_aligned(v, e["input_ids"])}
             for e in encoded
         ]
     return visual_inputs, prompt_token_inputs

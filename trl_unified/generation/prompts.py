@@ -19,18 +19,29 @@ def encode_for_generation(
 ) -> list[dict[str, Any]]:
     """Each prompt encoded as `generate_batched` decodes it (see `normalize_prompts` and `encode_prompts`); raises
     on a prompt that encodes to no tokens or that leaves no room for `max_new_tokens` within the model's positions."""
-    prompts = normalize_prompts(prompts, get_tokenizer(processing_class).pad_token_id)
+    tokenizer = get_tokenizer(processing_class)
+    prompts = normalize_prompts(prompts, tokenizer.pad_token_id)
     encoded = encode_prompts(
         processing_class, prompts, options.images, options.chat_template_kwargs or {}, options.videos
     )
-    empty = [i for i, e in enumerate(encoded) if torch.as_tensor(e["input_ids"]).numel() == 0]
+    lengths = [torch.as_tensor(e["input_ids"]).numel() for e in encoded]
+    empty = [i for i, n in enumerate(lengths) if n == 0]
     if empty:
         raise ValueError(
             f"prompts{empty[:5]} encode to no tokens (empty prompt {prompts[empty[0]]!r}); a decoder-only model needs "
             "at least one prompt token to generate from. Remove empty prompts or give the tokenizer a BOS token."
         )
-    check_fits_positions(model, encoded, generation_config)
-    check_prompt_ids(model, encoded, get_tokenizer(processing_class))
+    limit, new_tokens = max_positions(model), getattr(generation_config, "max_new_tokens", None)
+    length = max(lengths, default=0)
+    if lengths and limit is not None and new_tokens is not None and length + new_tokens > limit:
+        raise ValueError(
+            f"Prompt {lengths.index(length)} has {length} tokens; with max_new_tokens={new_tokens} that is "
+            f"{length + new_tokens} positions, beyond the model's maximum of {limit} "
+            "(config.max_position_embeddings). Shorten the prompt or generate fewer tokens."
+        )
+    rows = embedding_rows(model)  # a token id beyond the table (added to the tokenizer without resizing) raises
+    for i, e in enumerate(encoded):
+        check_ids_in_table(torch.as_tensor(e["input_ids"]).view(-1), None, rows, f"Prompt {i}", tokenizer=tokenizer)
     return encoded
 
 
@@ -171,9 +182,7 @@ def collate_chunk(encoded: list[dict[str, Any]], pad_token_id: int, pad_to_multi
         "input_ids": pad(ids, pad_token_id, "left", pad_to_multiple_of).to(device),
         "attention_mask": pad([torch.ones_like(t) for t in ids], 0, "left", pad_to_multiple_of).to(device),
     }
-    for key in encoded[0]:
-        if key in ("input_ids", "attention_mask"):
-            continue
+    for key in [k for k in encoded[0] if k not in ("input_ids", "attention_mask")]:
         values = [e[key] for e in encoded]
         if is_sequence_aligned(values[0], encoded[0]["input_ids"]):  # e.g. token_type_ids: padded like the ids
             batch[key] = pad([v.view(-1) for v in values], 0, "left", pad_to_multiple_of).to(device)
@@ -182,31 +191,7 @@ def collate_chunk(encoded: list[dict[str, Any]], pad_token_id: int, pad_to_multi
     return batch
 
 
-def check_prompt_ids(model, encoded, tokenizer=None) -> None:
-    """Raise when a prompt holds a token id beyond the model's embedding table (e.g. a token added to the tokenizer
-    without `resize_token_embeddings`), naming the prompt, the id and the table size."""
-    rows = embedding_rows(model)
-    for i, e in enumerate(encoded):
-        check_ids_in_table(torch.as_tensor(e["input_ids"]).view(-1), None, rows, f"Prompt {i}", tokenizer=tokenizer)
-
-
 def is_sequence_aligned(value, input_ids) -> bool:
     """Whether a processor output is per prompt token (`(1, len(input_ids))`, e.g. `token_type_ids`)."""
     length = torch.as_tensor(input_ids).view(-1).numel()
     return isinstance(value, torch.Tensor) and value.dim() == 2 and value.size(0) == 1 and value.size(1) == length
-
-
-def check_fits_positions(model, encoded, generation_config) -> None:
-    """Raise when the longest prompt plus `max_new_tokens` exceeds the model's positions (`max_positions`)."""
-    limit = max_positions(model)
-    new_tokens = getattr(generation_config, "max_new_tokens", None)
-    if limit is None or new_tokens is None or not encoded:
-        return
-    longest = max(range(len(encoded)), key=lambda i: torch.as_tensor(encoded[i]["input_ids"]).numel())
-    length = torch.as_tensor(encoded[longest]["input_ids"]).numel()
-    if length + new_tokens > limit:
-        raise ValueError(
-            f"Prompt {longest} has {length} tokens; with max_new_tokens={new_tokens} that is {length + new_tokens} "
-            f"positions, beyond the model's maximum of {limit} (config.max_position_embeddings). Shorten the prompt "
-            "or generate fewer tokens."
-        )

@@ -196,9 +196,7 @@ def unsupported_reason(model, extra_inputs: dict | None = None) -> str | None:
 def expands_rows(generation_config) -> bool:
     """Whether `generate` decodes more rows than it is given (beam search, `num_return_sequences`): a cache built for
     the given rows does not fit them."""
-    return (getattr(generation_config, "num_beams", 1) or 1) > 1 or (
-        getattr(generation_config, "num_return_sequences", 1) or 1
-    ) > 1
+    return any((getattr(generation_config, name, 1) or 1) > 1 for name in ("num_beams", "num_return_sequences"))
 
 
 def sharing_obstacle(

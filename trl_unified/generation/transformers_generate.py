@@ -14,12 +14,8 @@ from .sharing import cache_kwarg
 def generate_chunk(
     model, chunk: dict, generation_config: GenerationConfig, prefix_cache: Cache | None = None, return_logprobs=False
 ) -> tuple[torch.Tensor, None]:
-    """Prompt + new tokens of one chunk (model inputs from `prompts.collate_chunk`) as `model.generate` returns them,
-    and None: no log-probs on this engine (`return_logprobs` is accepted for the common engine signature).
-
-    With a `prefix_cache` of every prompt position but the last (`sharing.generation_prefix_cache`), `generate`
-    prefills the last position only.
-    """
+    """Prompt + new tokens of one chunk as `model.generate` returns them, and None (no log-probs on this engine);
+    with a `prefix_cache` of every prompt position but the last, `generate` prefills the last position only."""
     cache = {cache_kwarg(model): prefix_cache} if prefix_cache is not None else {}  # chunk: ids and mask only then
     return model.generate(**chunk, generation_config=generation_config, **cache), None
 

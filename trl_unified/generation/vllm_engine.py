@@ -8,6 +8,7 @@ once with `n=G`; log-probs are the sampled tokens' after temperature (read by `o
 
 import contextlib
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -131,14 +132,7 @@ def sampling_settings(generation_config: GenerationConfig, eos_token_ids: Sequen
 
 def group_runs(prompt_ids: Sequence[Sequence[int]]) -> list[tuple[list[int], int]]:
     """Consecutive identical prompts as `(prompt, count)`: a group of G rows becomes one request with `n=G`."""
-    runs: list[tuple[list[int], int]] = []
-    for ids in prompt_ids:
-        ids = list(ids)
-        if runs and runs[-1][0] == ids:
-            runs[-1] = (ids, runs[-1][1] + 1)
-        else:
-            runs.append((ids, 1))
-    return runs
+    return [(ids, sum(1 for _ in run)) for ids, run in itertools.groupby(list(p) for p in prompt_ids)]
 
 
 class VLLMEngine:
@@ -201,8 +195,9 @@ class VLLMEngine:
             raise error
 
     def sampling_settings(self, generation_config, eos_token_ids) -> dict[str, Any]:
-        settings = sampling_settings(generation_config, eos_token_ids)
-        settings.update(self.generation_kwargs)
+        settings = {**sampling_settings(generation_config, eos_token_ids), **self.generation_kwargs}
+        if self.structured_outputs_regex is not None:
+            settings["structured_outputs"] = {"regex": self.structured_outputs_regex}
         return settings
 
     def generate(
@@ -259,21 +254,15 @@ def check_vllm_settings(args, model, accelerator) -> None:
                 f"vllm_tensor_parallel_size={tp} must divide the number of training processes ({world}): in "
                 "colocate mode each tensor-parallel group is made of training processes."
             )
-        _check_architecture(config, args.vllm_model_impl)
+        if config is not None and args.vllm_model_impl == "vllm":
+            from vllm import ModelRegistry
 
-
-def _check_architecture(config, model_impl: str) -> None:
-    if config is None or model_impl != "vllm":
-        return
-    from vllm import ModelRegistry
-
-    architectures = list(getattr(config, "architectures", None) or [])
-    supported = set(ModelRegistry.get_supported_archs())
-    if architectures and not any(a in supported for a in architectures):
-        raise ValueError(
-            f"vLLM has no implementation of {architectures} (vllm_model_impl='vllm'). Set "
-            "vllm_model_impl='transformers' to run the transformers implementation inside vLLM, or use_vllm=False."
-        )
+            architectures = list(getattr(config, "architectures", None) or [])
+            if architectures and not set(architectures) & set(ModelRegistry.get_supported_archs()):
+                raise ValueError(
+                    f"vLLM has no implementation of {architectures} (vllm_model_impl='vllm'). Set vllm_model_impl="
+                    "'transformers' to run the transformers implementation inside vLLM, or use_vllm=False."
+                )
 
 
 def _engine_dtype(model) -> str:
@@ -314,7 +303,9 @@ class VLLMColocateEngine(VLLMEngine):
         os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
         os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
         if accelerator.device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU backend's own default is larger
         from vllm import LLM
@@ -348,9 +339,7 @@ class VLLMColocateEngine(VLLMEngine):
         from vllm.sampling_params import StructuredOutputsParams
 
         settings = self.sampling_settings(generation_config, eos_token_ids)
-        if self.structured_outputs_regex is not None:
-            settings["structured_outputs"] = StructuredOutputsParams(regex=self.structured_outputs_regex)
-        elif isinstance(settings.get("structured_outputs"), dict):
+        if isinstance(settings.get("structured_outputs"), dict):
             settings["structured_outputs"] = StructuredOutputsParams(**settings["structured_outputs"])
         rows = slice(0, len(prompt_ids))
         if self.tp_group is not None:  # every rank of a tensor-parallel group generates the group's prompts
@@ -422,9 +411,3 @@ def write_checkpoint(folder, config, weights, write: bool) -> None:
         tmp = os.path.join(folder, "model.safetensors.tmp")
         save_file(tensors, tmp, metadata={"format": "pt"})
         os.replace(tmp, os.path.join(folder, "model.safetensors"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

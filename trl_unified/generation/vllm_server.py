@@ -202,27 +202,18 @@ class VLLMServerEngine(VLLMEngine):
         may hold different numbers of prompts (evaluation shards, the tool loop's remaining rows)."""
         if not prompt_ids:
             return [], []
+        settings, completions, logprobs = self.sampling_settings(generation_config, eos_token_ids), [], []
         with self.lock:  # no reload while this process's requests run
-            completions, logprobs = self._complete([list(p) for p in prompt_ids], generation_config, eos_token_ids)
-        return (
-            [torch.tensor(c, dtype=torch.long) for c in completions],
-            [torch.tensor(lp, dtype=torch.float32) for lp in logprobs],
-        )
-
-    def _complete(self, prompt_ids, generation_config, eos_token_ids):
-        settings = self.sampling_settings(generation_config, eos_token_ids)
-        if self.structured_outputs_regex is not None:
-            settings["structured_outputs"] = {"regex": self.structured_outputs_regex}
-        completions, logprobs = [], []
-        for prompts, n in self._requests(group_runs(prompt_ids)):
-            body = {"model": self.served_model, "prompt": prompts, "n": n, "return_token_ids": True,
-                    "skip_special_tokens": False, **settings}  # fmt: skip
-            response = self._request("POST", "/v1/completions", body, self.args.request_timeout, "generation")
-            for choice in sorted(response["choices"], key=lambda c: c["index"]):
-                ids = list(choice["token_ids"])
-                completions.append(ids)
-                values = (choice.get("logprobs") or {}).get("token_logprobs") or [None] * len(ids)
-                logprobs.append([float("nan") if v is None else float(v) for v in values[: len(ids)]])
+            for prompts, n in self._requests(group_runs(prompt_ids)):
+                body = {"model": self.served_model, "prompt": prompts, "n": n, "return_token_ids": True,
+                        "skip_special_tokens": False, **settings}  # fmt: skip
+                response = self._request("POST", "/v1/completions", body, self.args.request_timeout, "generation")
+                for choice in sorted(response["choices"], key=lambda c: c["index"]):
+                    ids = list(choice["token_ids"])
+                    completions.append(torch.tensor(ids, dtype=torch.long))
+                    values = (choice.get("logprobs") or {}).get("token_logprobs") or [None] * len(ids)
+                    values = [float("nan") if v is None else float(v) for v in values[: len(ids)]]
+                    logprobs.append(torch.tensor(values, dtype=torch.float32))
         return completions, logprobs
 
     def _requests(self, runs: list[tuple[list[int], int]]):

@@ -11,7 +11,6 @@ from transformers import (
     AutoModelForImageTextToText,
     AutoModelForSeq2SeqLM,
     AutoProcessor,
-    AutoTokenizer,
     PreTrainedTokenizerBase,
     ProcessorMixin,
 )
@@ -152,21 +151,13 @@ def is_quantized(model) -> bool:
     return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
 
 
-def keep_4bit_layers_trainable_on_cpu(model) -> int:
-    """Turn off bitsandbytes' inference-only repacking of 4-bit weights on CPUs with AVX-512 BF16.
-
-    On such CPUs, bitsandbytes (0.50) repacks a `Linear4bit` weight into a CPU inference layout at its first no-grad
-    eval-mode forward (here: every generation and reference forward), and from then on runs the layer with a kernel
-    that has no backward: the gradient to everything before the layer is silently zero (QLoRA stops learning), and
-    layers whose `in_features` is not a multiple of 64 or `out_features` of 32 fail with a reshape error instead.
-    A trainer needs the layers differentiable, so the repacking is switched off (the dequantising path runs). Returns
-    the number of layers changed (0 on other CPUs, on GPUs, and for unquantised models).
-    """
+def keep_4bit_layers_trainable_on_cpu(model) -> None:
+    """Turn off bitsandbytes' (0.50) inference-only repacking of 4-bit weights on CPUs with AVX-512 BF16: the
+    repacked layer's kernel has no backward, so QLoRA would silently stop learning (docs/troubleshooting.md)."""
     if not getattr(model, "is_loaded_in_4bit", False):
-        return 0
+        return
     import bitsandbytes as bnb
 
-    changed = 0
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit) and getattr(module, "support_avx512bf16_for_cpu", False):
             if getattr(module.weight.quant_state, "packing_format_for_cpu", False):
@@ -176,8 +167,6 @@ def keep_4bit_layers_trainable_on_cpu(model) -> int:
                     "model to the trainer before using it for inference, or load it by id."
                 )
             module.support_avx512bf16_for_cpu = False
-            changed += 1
-    return changed
 
 
 def apply_peft(model, peft_config, args):
@@ -271,11 +260,6 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-
-
-def load_tokenizer(model_id: str, args):
-    """`AutoTokenizer.from_pretrained` with the shared error message (used for reward models)."""
-    return from_pretrained_checked(AutoTokenizer, model_id, "tokenizer", trust_remote_code=args.trust_remote_code)
 
 
 def load_model_plain(model_id: str, what: str = "model", **kwargs):

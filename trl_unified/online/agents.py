@@ -3,9 +3,7 @@ online trainer). The multi-turn loop is `CompletionsMixin._run_tool_loop`; the r
 Ck` never re-tokenised, `tool_mask`, errors the model reads, environments per row) are in docs/agents.md.
 """
 
-import asyncio
 import inspect
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -15,8 +13,6 @@ from trl.chat_template_utils import is_chat_template_prefix_preserving
 from ..models.loading import get_tokenizer
 from .rewards import EventLoopThread, is_async_callable
 
-
-logger = logging.getLogger(__name__)
 
 EMPTY_PROMPT = [{"role": "user", "content": ""}]
 
@@ -87,11 +83,6 @@ class Environments:
                 self.reward_funcs.append((type(instance).__name__, _environment_reward(type(instance))))
         self.free = {name: list(pool) for name, pool in self.pool.items()}  # instances no round holds
         self.instances: list | None = None  # the last batch's, one per row
-        self.names: list | None = None
-
-    def all_methods(self) -> list[Callable]:
-        """Every environment's tools (for the checks made once, e.g. whether any tool exists)."""
-        return [tool for tools in self.tools.values() for tool in tools]
 
     def assign(self, rows: list[dict[str, Any]]) -> list:
         """One instance per row, in row order, taken from the pool's free instances (new ones made as needed) until
@@ -109,7 +100,7 @@ class Environments:
                 self.pool[name].append(self.factories[name]())
                 self.free[name].append(self.pool[name][-1])
             instances.append(self.free[name].pop(0))
-        self.names, self.instances = names, instances
+        self.instances = instances
         return instances
 
     def release(self, instances: list) -> None:
@@ -194,12 +185,8 @@ def run_tool_calls(tool_calls: list[dict], tools: list[Callable], event_loop: Ev
             failures += 1
             results.append((name, {"error": str(e)}))
     if coroutines:
-
-        async def gather():
-            return await asyncio.gather(*(c for _, c in coroutines), return_exceptions=True)
-
         loop = event_loop or EventLoopThread()
-        for (name, _), value in zip(coroutines, loop.run(gather()), strict=True):
+        for (name, _), value in zip(coroutines, loop.gather([c for _, c in coroutines]), strict=True):
             if isinstance(value, Exception):
                 failures += 1
                 value = {"error": str(value)}

@@ -4,12 +4,8 @@ With `async_rollouts=True` (vLLM server mode) a producer thread reads the Traine
 stage one, `sample(rows)`, holding the engine's lock so that no weight reload lands inside a round; the Trainer's loop
 receives the same batches in the same order and runs stage two, `finish(samples)`, under the current weights.
 
-Invariants: staleness is bounded at the source (the round consumed at optimiser step c starts only once the server
-holds weights of step >= c - max_staleness); the consumer syncs before waiting whenever that gate needs it (so the
-producer never waits for a sync the consumer does not make), and every process decides alike, so syncs stay
-collective. `max_staleness=0` is synchronous training. A producer's exception is raised in the Trainer's loop when
-its round is waited for; `close()` stops the thread when training ends; rounds still queued at a checkpoint are
-sampled again after a resume (the data loader skips only what was trained on). See docs/async.md.
+The consumer syncs before waiting whenever the staleness gate needs it, so the producer never waits for a sync the
+consumer does not make. The bound, faults and resuming: docs/async.md.
 """
 
 import queue
@@ -25,8 +21,7 @@ class RoundRows(list):
     sample_s = backpressure_s = enqueued_at = wait_s = 0.0
 
 
-class _End:
-    pass
+_END = object()  # the producer's last item
 
 
 class AsyncRollouts:
@@ -80,7 +75,7 @@ class AsyncRollouts:
                 item.sample_s, item.enqueued_at = time.perf_counter() - start, time.monotonic()
                 self.queued_rounds += 1
                 self.items.put(item)
-            self.items.put(_End())
+            self.items.put(_END)
         except BaseException as error:  # noqa: BLE001 (raised in the Trainer's loop)
             self.items.put(error)
 
@@ -115,7 +110,7 @@ class AsyncRollouts:
                     ) from None
         if isinstance(item, BaseException):
             raise item
-        if isinstance(item, _End):
+        if item is _END:
             raise StopIteration
         self.delivered += 1
         if isinstance(item, RoundRows):

@@ -14,10 +14,8 @@ from .agents import run_tool_calls, tool_suffix_ids
 
 
 class SampledCompletions(NamedTuple):
-    """What `_generate` returns: the completions as a `GenerationOutput` (with the tool mask of multi-turn rows), as
-    the reward functions see them (texts, or lists of messages), the extra per-row fields of a `rollout_func`, the
-    tool calls / failures of this process, and whether the output's log-probs are the trained policy's own (the
-    lean decode loop's) rather than another engine's (vLLM's)."""
+    """What `_generate` returns (`completions` as the reward functions see them; `logprobs_are_policy`: the output's
+    log-probs are the trained policy's own, not another engine's, e.g. vLLM's)."""
 
     generation: GenerationOutput
     completions: list

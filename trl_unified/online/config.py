@@ -41,16 +41,12 @@ class OnlineConfig(PolicyConfig):
     ds3_gather_for_generation: bool = option(True, "ZeRO-3: gather the weights once per generation (fast, memory).")
     shuffle_dataset: bool | None = option(True, "Shuffle the training prompts.")
     generation_batch_size: int | None = option(
-        None,
-        "Completions per generation round, all processes. None: per_device_train_batch_size * num_processes * "
-        "steps_per_generation.",
+        None, "Completions per generation round, all processes (None: per-device batch * processes * steps)."
     )
     steps_per_generation: int | None = option(None, "Micro-steps per generation round (None: grad. accumulation).")
     use_vllm: bool = option(False, "Generate with vLLM (docs/vllm.md): colocate or server mode, see vllm_mode.")
     vllm_mode: str = option(
-        "colocate",
-        "'colocate': a vLLM engine in each training process; 'server': a separately started vLLM server "
-        "(VLLM_SERVER_DEV_MODE=1 vllm serve MODEL) at vllm_server_base_url or host:port.",
+        "colocate", "'colocate': a vLLM engine in each training process; 'server': a vLLM server (docs/vllm.md)."
     )
     vllm_model_impl: str = option("vllm", "vLLM's model implementation: 'vllm', 'transformers' or 'auto'.")
     vllm_enable_sleep_mode: bool = option(False, "Free the colocated engine's memory between generations (CUDA only).")
@@ -74,40 +70,27 @@ class OnlineConfig(PolicyConfig):
     num_completions_to_print: int | None = option(None, "Completions printed by log_completions (None: all).")
     log_unique_prompts: bool = option(False, "Log each prompt once in completion samples.")
     use_transformers_continuous_batching: bool = option(
-        False,
-        "Generate with transformers' continuous batching (`model.generate_batch`, paged attention) instead of padded "
-        "batches; text-only models.",
+        False, "Generate with transformers' continuous batching (paged attention, `generate_batch`); text only."
     )
     transformers_continuous_batching_config: dict | str | None = option(
         None, "ContinuousBatchingConfig kwargs (JSON on the command line); max_memory_percent 0.5."
     )
     use_transformers_paged: bool = option(False, "Deprecated: use_transformers_continuous_batching (as in TRL).")
     strict_rewards: bool = option(
-        False,
-        "trl_unified only. Raise when every reward function returns None for a whole generation batch (TRL's "
-        "behaviour, the default here too, is to warn and train on zero advantages).",
+        False, "trl_unified only. Raise when no reward function scores a whole generation batch (TRL: warn)."
     )
 
     cast_lm_head_to_fp32: bool = option(
-        False,
-        "Compute the LM head (policy and reference) in float32, for exact log-probs with bf16/fp16 weights. Not with "
-        "a PEFT adapter on the LM head.",
+        False, "LM head (policy, reference) in float32: exact log-probs with bf16/fp16 weights; not with PEFT on it."
     )
-    max_tool_calling_iterations: int | None = option(
-        None,
-        "Most tool-calling rounds per completion (with `tools` / `environment_factory`); None: until a turn has no "
-        "tool call or max_completion_length is spent.",
-    )
+    max_tool_calling_iterations: int | None = option(None, "Most tool-calling rounds per completion (None: no limit).")
     vllm_weight_transfer: str = option(
         "checkpoint", "Server mode: how weights reach the server: 'checkpoint' (a safetensors folder the server "
         "reloads, any device) or 'nccl' (vLLM's NCCL weight-transfer engine, CUDA)."
     )  # fmt: skip
     request_timeout: int = option(600, "Server mode: seconds a generation request may take.")
     weight_sync_timeout: int = option(1800, "Server mode: seconds a weight sync may take.")
-    max_inflight_tasks: int = option(
-        -1, "Server mode: most completions requested at once (a round is split into requests of at most this "
-        "many); -1: a round per request."
-    )  # fmt: skip
+    max_inflight_tasks: int = option(-1, "Server mode: most completions requested at once (-1: a round per request).")
     # Asynchronous rollouts (online/async_rollouts.py, docs/async.md): trl_unified's addition to TRL's RLOO / GRPO /
     # PPO / distillation configs; AsyncGRPOConfig turns them on with TRL 1.16's defaults.
     async_rollouts: bool = option(
@@ -117,9 +100,7 @@ class OnlineConfig(PolicyConfig):
     max_staleness: int = option(1, "Async: most optimiser steps between the weights that sampled and training.")
     weight_sync_steps: int = option(1, "Async: optimiser steps between weight syncs (sooner when staleness needs).")
     queue_maxsize: int = option(1024, "Async: most completions sampled and waiting to be trained on.")
-    heartbeat_stale_after_s: float = option(
-        300.0, "Async: seconds without progress after which a producer waited for is reported as hung."
-    )
+    heartbeat_stale_after_s: float = option(300.0, "Async: seconds without progress before the producer is hung.")
 
     def __post_init__(self):
         if isinstance(self.transformers_continuous_batching_config, str):

@@ -1,10 +1,7 @@
 r"""A learned critic for online trainers (PPO): the value model, per-token rewards, GAE, whitening.
 
-The value model is a separate `AutoModelForSequenceClassification` with one label (TRL's convention): its backbone
-reads the policy's token ids and its `score` head gives a value per position. It is attached to the policy as the
-submodule `value_model`, so that one module is trained: DDP / DeepSpeed / FSDP wrap it once, the optimiser and
-gradient clipping see its parameters, and PEFT adapters of the policy do not reach it. It is not part of the saved
-policy (`without_value_model`); checkpoints store it beside the policy (`VALUE_WEIGHTS`) for an exact resume.
+The value model (`AutoModelForSequenceClassification`, one label: a value per position from its `score` head) is the
+policy's submodule `value_model` (why, and what is saved where: docs/architecture.md, "A critic").
 
 Per-token rewards and advantages (Ziegler et al., 2019, arXiv:1909.08593; Schulman et al., 2016, GAE,
 arXiv:1506.02438), over completion positions t of one row, with M_t = 1 up to the last completion token T:
@@ -16,9 +13,6 @@ arXiv:1506.02438), over completion positions t of one row, with M_t = 1 up to th
 with V_t the value of the state before token t (0 beyond T + 1) and the score placed one position after the last
 token (TRL's convention: the value of the state after EOS is learned too). Advantages are whitened over the
 process's batch (mean 0, variance 1 over M); rewards optionally too (`whiten_rewards`, mean kept).
-
-`CriticMixin` gives an online trainer the critic's plumbing: attach the value model, its values for a rollout, its
-checkpoints, and a learning rate that moves once per rollout (`EveryNStepsScheduler`).
 """
 
 import contextlib
@@ -188,10 +182,6 @@ def without_value_model(model: nn.Module):
             base._modules["value_model"] = head
 
 
-def save_value_model(head: ValueHead, folder: str) -> None:
-    torch.save(head.model.state_dict(), os.path.join(folder, VALUE_WEIGHTS))
-
-
 def load_value_model(head: ValueHead, folder: str) -> bool:
     path = os.path.join(folder, VALUE_WEIGHTS)
     if not os.path.exists(path):
@@ -217,9 +207,6 @@ class EveryNStepsScheduler:
         if self.calls % self.every == 0:
             self.scheduler.step(*args, **kwargs)
 
-    def get_last_lr(self):
-        return self.scheduler.get_last_lr()
-
     def state_dict(self):
         return {"scheduler": self.scheduler.state_dict(), "calls": self.calls}
 
@@ -233,18 +220,12 @@ class EveryNStepsScheduler:
 
 class CriticMixin:
     """An online trainer with a learned critic (PPO): mix in before `OnlineTrainer`, call `attach_critic` in `setup`;
-    its config has `save_value_model` (whether `save_model` also writes the critic).
-
-    A subclass may override `optimizer_steps_per_rollout()` (default 1): the learning rate then moves once per that
-    many optimiser steps, as TRL's PPO moves it once per rollout."""
+    its config has `save_value_model` (whether `save_model` also writes the critic)."""
 
     value_head: ValueHead | None = None  # the attached value model
 
     def attach_critic(self, value_model) -> None:
-        """Attach a value model (a sequence classifier whose embedding table holds the policy tokenizer's ids, or its
-        id) as a trained submodule of the policy, found as TRL 1.12 has it at `trainer.model.value_model` (and the
-        policy at `trainer.model.policy`); saving keeps it out of the published policy and checkpoints keep it for an
-        exact resume."""
+        """Attach a value model (a classifier on the policy tokenizer's ids, or its id): `attach_value_model`."""
         if isinstance(value_model, str):
             from ..models.loading import load_model_plain
 
@@ -304,7 +285,7 @@ class CriticMixin:
         super()._save_checkpoint(model, trial)
         if self.value_head is not None and self.is_world_process_zero():
             folder = os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}")
-            save_value_model(self.value_head, folder)
+            torch.save(self.value_head.model.state_dict(), os.path.join(folder, VALUE_WEIGHTS))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         with without_value_model(self.accelerator.unwrap_model(self.model)):

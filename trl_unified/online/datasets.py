@@ -1,9 +1,5 @@
-"""The online trainers' data: dataset checks before training, the repeat samplers and their data loaders.
-
-Each prompt is drawn `num_generations` times in a row (one group), a generation batch holds
-`generation_batch_size / num_generations` groups, and the same rows come back `num_iterations * steps_per_generation`
-times (every micro-batch of every pass over the rollout); environments may own the data (`reset()` gives prompts).
-"""
+"""The online trainers' data: dataset checks before training, the repeat samplers (`sampler.py`: the layout) and their
+data loaders; environments may own the data (`reset()` gives prompts)."""
 
 from datasets import Dataset, IterableDataset
 
@@ -106,16 +102,14 @@ class OnlineDataMixin:
         if self._signature_columns is None:
             self._signature_columns = ["prompt", "image", "images"]
 
+    def _repeats(self) -> tuple[int, int, int]:
+        """The training samplers' layout: (completions per prompt, prompts per generation batch, reads of a batch)."""
+        g, a = self.args.num_generations, self.args
+        return g, a.generation_batch_size // g, a.num_iterations * a.steps_per_generation
+
     def _get_train_sampler(self, train_dataset=None):
-        args = self.args
-        return RepeatSampler(
-            train_dataset if train_dataset is not None else self.train_dataset,
-            mini_repeat_count=args.num_generations,
-            batch_size=args.generation_batch_size // args.num_generations,
-            repeat_count=args.num_iterations * args.steps_per_generation,
-            shuffle=args.shuffle_dataset,
-            seed=args.seed,
-        )
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return RepeatSampler(dataset, *self._repeats(), shuffle=self.args.shuffle_dataset, seed=self.args.seed)
 
     def _get_eval_sampler(self, eval_dataset):
         return RepeatSampler(eval_dataset, mini_repeat_count=self.num_generations_eval, seed=self.args.seed)
@@ -123,13 +117,8 @@ class OnlineDataMixin:
     def get_train_dataloader(self):
         dataset = self.train_dataset
         if isinstance(dataset, IterableDataset):
-            args = self.args
-            dataset = RepeatedIterable(
-                dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset,
-                args.num_generations,
-                args.generation_batch_size // args.num_generations,
-                args.num_iterations * args.steps_per_generation,
-            )
+            shuffled = dataset.shuffle(seed=self.args.seed) if self.args.shuffle_dataset else dataset
+            dataset = RepeatedIterable(shuffled, *self._repeats())
         return self._get_dataloader(
             dataset=dataset,
             description="Training",

@@ -90,15 +90,11 @@ class ImportanceSamplingMixin:
         a, mask = self.args, batch.loss_mask
         if batch.sampling_logps is None:  # a tool loop or rollout_func: no engine log-probs, w = 1 (TRL's NaN rule)
             batch.sampling_logps = torch.full_like(batch.old_logps, float("nan"))
-        mode, low, high = (
-            a.vllm_importance_sampling_mode,
-            a.vllm_importance_sampling_clip_min,
-            a.vllm_importance_sampling_clip_max,
-        )
-        batch.importance_sampling_ratio = importance_sampling_ratio(
-            batch.old_logps, batch.sampling_logps, mask, mode, low, high
-        )
-        stats = mismatch_metrics(batch.old_logps, batch.sampling_logps, mask, batch.importance_sampling_ratio, mode)
+        mode = a.vllm_importance_sampling_mode
+        low, high = a.vllm_importance_sampling_clip_min, a.vllm_importance_sampling_clip_max
+        ratio = importance_sampling_ratio(batch.old_logps, batch.sampling_logps, mask, mode, low, high)
+        batch.importance_sampling_ratio = ratio
+        stats = mismatch_metrics(batch.old_logps, batch.sampling_logps, mask, ratio, mode)
         for name, value in stats.items():
             values = gather(value.reshape(1))
             reduce = torch.max if name.endswith("max") else torch.min if name.endswith("min") else torch.mean
@@ -109,12 +105,7 @@ class ImportanceSamplingMixin:
 
 
 def importance_sampling_ratio(
-    old_logps: torch.Tensor,
-    sampling_logps: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str = "sequence_mask",
-    clip_min: float | None = None,
-    clip_max: float | None = 3.0,
+    old_logps, sampling_logps, mask, mode: str, clip_min: float | None = None, clip_max: float | None = 3.0
 ) -> torch.Tensor:
     """The ratio w of the module docstring: `(B, 1)` for the sequence modes, `(B, C)` for the token modes."""
     if mode not in IS_MODES:

@@ -4,19 +4,15 @@ import asyncio
 import inspect
 import math
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from trl import apply_chat_template, is_conversational
 
-from ..models.loading import from_pretrained_checked, load_tokenizer, model_id_of
+from ..models.loading import from_pretrained_checked, model_id_of
 from ..models.token_ids import check_ids_in_table, check_table_covers_tokenizer, embedding_rows, padding_fill_id
-
-
-RewardFunc = str | PreTrainedModel | Callable[..., list[float | None]]
 
 
 def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -44,25 +40,19 @@ class EventLoopThread:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True, name="trl_unified-rewards").start()
 
-    def run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+    def gather(self, coroutines: list) -> list:
+        async def gather_all():  # results in order, an exception in place of a failed coroutine's
+            return await asyncio.gather(*coroutines, return_exceptions=True)
+
+        return asyncio.run_coroutine_threadsafe(gather_all(), self.loop).result()
 
 
 class RewardFunctions:
-    """The reward functions of a trainer, called with TRL's convention.
+    """The reward functions of a trainer, called with TRL's convention (docs/rloo.md, "Reward functions"): callables
+    (`async def` ones run concurrently; `None` = not applicable, NaN internally), or sequence-classification models
+    (or ids) whose single logit, on `prompt + completion` in their own tokenizer, is the reward."""
 
-    Each function is one of:
-      - a callable `f(prompts, completions, completion_ids, **kwargs) -> list[float | None]`, where kwargs hold
-        every extra dataset column (one value per row), `trainer_state`, `log_metric(name, value)` and
-        `log_extra(column, values)`; `None` means "not applicable to this row" (NaN internally);
-      - an `async def` function with the same signature (all async functions of a call run concurrently);
-      - a sequence-classification model, or its id/path: its single logit is the reward; it reads
-        `prompt + completion` (or the chat-templated conversation) with its own tokenizer.
-    """
-
-    def __init__(
-        self, reward_funcs, reward_processing_classes, reward_weights, args, policy_tokenizer=None, extra_funcs=()
-    ):
+    def __init__(self, reward_funcs, reward_processing_classes, reward_weights, args, extra_funcs=()):
         if reward_funcs is None:
             funcs = []
         else:
@@ -79,7 +69,7 @@ class RewardFunctions:
                     f"reward_funcs[{i}] is a {type(f).__name__}: expected a callable, a model or a model id."
                 )
         self.funcs, self.names = funcs, [_name_of(f) for f in funcs]
-        self.processing_classes = self._processing_classes(reward_processing_classes, args, policy_tokenizer)
+        self.processing_classes = self._processing_classes(reward_processing_classes, args)
         if reward_weights is not None and len(reward_weights) != len(funcs):
             raise ValueError(
                 f"reward_weights has {len(reward_weights)} values but there are {len(funcs)} reward functions "
@@ -105,7 +95,7 @@ class RewardFunctions:
             AutoModelForSequenceClassification, model_id, "reward model", num_labels=1, **kwargs
         )
 
-    def _processing_classes(self, classes, args, policy_tokenizer):
+    def _processing_classes(self, classes, args):
         if classes is None:
             classes = [None] * len(self.funcs)
         classes = list(classes) if isinstance(classes, (list, tuple)) else [classes]  # one class: one function
@@ -119,7 +109,9 @@ class RewardFunctions:
             if not isinstance(func, PreTrainedModel):
                 continue
             if cls is None:
-                cls = load_tokenizer(model_id_of(func), args)
+                cls = from_pretrained_checked(
+                    AutoTokenizer, model_id_of(func), "tokenizer", trust_remote_code=args.trust_remote_code
+                )
             if not isinstance(cls, PreTrainedTokenizerBase):
                 raise TypeError(f"reward_processing_classes[{i}] must be a tokenizer, got {type(cls).__name__}.")
             if cls.pad_token is None:
@@ -219,11 +211,7 @@ class RewardFunctions:
             else:
                 out[:, i] = torch.tensor(self._check(name, values, n))
         if pending:
-
-            async def gather_all():
-                return await asyncio.gather(*(coro for _, _, coro in pending), return_exceptions=True)
-
-            for (i, name, _), values in zip(pending, self._loop.run(gather_all()), strict=True):
+            for (i, name, _), values in zip(pending, self._loop.gather([c for *_, c in pending]), strict=True):
                 if isinstance(values, BaseException):
                     raise RuntimeError(
                         f"Reward function {name!r} raised {values.__class__.__name__}: {values}"

@@ -43,9 +43,6 @@ class Samples:
     tool_failures: int = 0
     environments: list | None = None
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
 
 @dataclass
 class RolloutBatch(TensorBatch):

@@ -40,26 +40,11 @@ logger = logging.getLogger(__name__)
 
 
 class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, PolicyTrainerBase):
-    """Base of the online trainers (RLOO, GRPO, PPO, distillation): TRL's constructor and usage surface, the rollout
-    and its buffer.
-
-    Hooks a trainer overrides (the core calls them and never inspects the trainer's config class):
-    - `compute_policy_loss(model, inputs, num_items_in_batch)`: the loss of one `RolloutBatch` micro-batch (required);
-    - `compute_advantages(rewards, rewards_per_func, batch, mode)`: `(N_global,)` advantages from the gathered
-      rewards (groups of G contiguous; NaN = unscorable), or `assign_advantages` for per-token, local advantages
-      (PPO's GAE);
-    - `rollout_plan()`: which log-probs a rollout computes (`RolloutPlan`; default TRL's rule);
-    - `correct_sampling(batch)`: correct the batch for the sampling engine once π_old is known (default: nothing;
-      GRPO's importance sampling, `online/importance_sampling.py`);
-    - `build_rewards()`, `score_rollout(batch, samples, mode)`: the reward functions and how a round is scored
-      (default: TRL's reward functions, then the advantages; distillation has neither).
-
-    and may declare, as class attributes: `old_logps_from_sampling` (read π_old from the logits the lean decode loop
-    computed while sampling instead of a no-grad forward: PPO, as TRL's PPO reads `generate`'s scores),
-    `reshuffle_each_iteration` (each of the `num_iterations` passes over a rollout draws a new order of micro-batches:
-    PPO's epochs), `shuffles_groups` (micro-batches hold whole groups: online DPO), `batch_class` (the `RolloutBatch`
-    subclass a rollout builds).
-    """
+    """Base of the online trainers (RLOO, GRPO, PPO, distillation, online DPO): TRL's constructor and usage surface,
+    the rollout and its buffer. Hooks (the core never inspects a trainer's config class): `compute_policy_loss`
+    (required), `compute_advantages` or `assign_advantages`, `rollout_plan`, `correct_sampling`, `build_rewards`,
+    `score_rollout`; class attributes `old_logps_from_sampling`, `reshuffle_each_iteration`, `shuffles_groups`,
+    `batch_class`. What each does: docs/architecture.md ("The online family")."""
 
     config_class = OnlineConfig
     repeats_prompts = True  # groups of G completions: log-prob forwards encode each prompt once where allowed
@@ -94,7 +79,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         super().__init__(
             model,
             args,
-            data_collator=_identity,
+            data_collator=list,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
@@ -119,12 +104,10 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         self._setup_agents()
         self.rewards = self.build_rewards()
         self._check_prompt_lengths()
-        self.use_vllm, self.vllm_mode = self.args.use_vllm, self.vllm_mode_of(self.args)  # TRL's attributes
-        # vLLM (use_vllm=True): one generation engine for training, evaluation and the tool loop (docs/vllm.md)
-        self.vllm_engine = (
-            VLLMEngine.from_args(self.args, self.model, self.accelerator) if self.args.use_vllm else None
-        )
-        if self.vllm_engine is not None:
+        self.use_vllm, self.vllm_mode = self.args.use_vllm, self.args.vllm_mode  # TRL's attributes
+        self.vllm_engine = None  # vLLM: one engine for training, evaluation and the tool loop (docs/vllm.md)
+        if self.args.use_vllm:
+            self.vllm_engine = VLLMEngine.from_args(self.args, self.model, self.accelerator)
             self.vllm_engine.context = self._where
         self.plan = self.rollout_plan()
         self._step, self._buffer, self._rollout, self._step_time = 0, None, None, 0.0
@@ -141,7 +124,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         self._env = Environments(factory, self._standalone_tools) if factory is not None else None
         self.tools = list(self._standalone_tools)
         if self._env is not None:
-            self.tools += [m for m in self._env.all_methods() if m not in self.tools]
+            self.tools += [m for tools in self._env.tools.values() for m in tools if m not in self.tools]
         if (self.tools or factory) and not supports_tool_calling(self.processing_class):
             raise ValueError(
                 "The provided chat template does not support tool calling. The template must be able to render a "
@@ -166,16 +149,12 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
     _env_tools = property(lambda self: self._env.tools if self._env is not None else {})
     _environment_pool = property(lambda self: self._env.pool if self._env is not None else {})
 
-    @staticmethod
-    def vllm_mode_of(args) -> str | None:
-        """TRL's `trainer.vllm_mode` (GRPO, RLOO: the config's, also with vLLM off)."""
-        return args.vllm_mode
-
     def group_size(self, mode: str) -> int:
         """G: the completions per prompt of `mode`'s generation batches (contiguous groups of G rows)."""
         return self.num_generations if mode == "train" else self.num_generations_eval
 
     beta = property(attrgetter("args.beta"))
+    temperature = property(attrgetter("args.temperature"))
     num_iterations = property(attrgetter("args.num_iterations"))
     _logs = property(attrgetter("completion_log.columns"))  # TRL's completion samples (`CompletionLog.columns`)
 
@@ -185,8 +164,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         generation batch; returns the global advantages for the completion log (None if there is no such row view).
         A trainer whose advantages are per token and local (PPO's GAE) overrides this."""
         advantages = self.compute_advantages(rewards, rewards_per_func, batch, mode)
-        n, rank = len(batch), self.accelerator.process_index
-        batch.advantages = advantages[rank * n : (rank + 1) * n]
+        batch.advantages = advantages[batch.row_index]
         return advantages
 
     def compute_advantages(
@@ -231,9 +209,8 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         }
 
     def _synced_vllm_engine(self) -> VLLMEngine | None:
-        """The vLLM engine holding this trainer's current weights: synced once per optimiser step (a generation
-        round, its evaluation and its tool-loop turns share one sync), on every process at once. The producer of
-        asynchronous rollouts never syncs: it samples on the weights the engine holds (`sync_for_round`)."""
+        """The vLLM engine holding this trainer's current weights, synced once per optimiser step on every process
+        (docs/vllm.md, "When weights are synced"); the async producer never syncs (`sync_for_round`)."""
         if self.vllm_engine is None or (self._producer is not None and self._producer.in_producer()):
             return self.vllm_engine
         self.vllm_engine.ensure_synced(
@@ -321,10 +298,8 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         return super().get_batch_samples(epoch_iterator, num_batches, device)
 
     def sync_for_round(self, step: int) -> None:
-        """Before training waits for the round it trains on at optimiser `step`: sync the weights when they are
-        `weight_sync_steps` old, or older than the round's staleness gate allows (every process decides alike). The
-        server loads them in the background where it can (`sync_in_background`): the producer's gate waits for them,
-        training does not."""
+        """Before training waits for its round at optimiser `step`: sync the weights when `weight_sync_steps` old or
+        older than the staleness gate allows, in the background where the server can (docs/async.md)."""
         a, version = self.args, self.vllm_engine.version
         if version is None or step - version >= min(a.weight_sync_steps, a.max_staleness + 1):
             model = self.model_wrapped or self.model
@@ -525,7 +500,3 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         if self.args.log_completions and self.accelerator.is_main_process:
             self.completion_log.report(self.state.global_step, self.args)
         super().log(logs, start_time)
-
-
-def _identity(rows):
-    return rows

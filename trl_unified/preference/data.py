@@ -1,13 +1,6 @@
 """Offline preference data, shared by DPO and KTO: TRL's dataset formats, tokenisation, and the typed batches and
-collators (paired chosen/rejected rows; unpaired completion/label rows with KTO's mismatched KL rows).
-
-Data (TRL's formats): standard or conversational rows, with an explicit `prompt` or an implicit one (the common
-start of `chosen` and `rejected`, split off with `trl.extract_prompt`). Paired rows have `chosen`/`rejected`;
-unpaired rows have `completion`/`label` (KTO; paired data is unpaired with `trl.unpair_preference_dataset`).
-Tokenisation follows TRL: the prompt alone (with the generation prompt for conversations) and prompt + completion are
-tokenised, and the completion starts where the two diverge; a standard (text) completion gets the EOS token appended.
-Rows whose prompt alone fills `max_length` are dropped (as TRL), with a warning naming how many; the collator
-truncates each prompt + completion to `max_length`.
+collators (paired chosen/rejected rows; unpaired completion/label rows with KTO's mismatched KL rows). The formats,
+tokenisation and dropped rows are TRL's: docs/dpo.md and docs/kto.md ("Datasets").
 """
 
 import dataclasses
@@ -22,7 +15,7 @@ from trl import extract_prompt, is_conversational, unpair_preference_dataset
 
 from ..data.batch import TensorBatch, scalar_field
 from ..data.datasets import column_names, get_images, get_videos, pad
-from ..data.vision import EncodedPrompts, encode_visual_prompts, has_visuals, render_conversation
+from ..data.vision import EncodedPrompts, encode_visual_prompts, render_conversation
 from ..models.loading import get_tokenizer
 
 
@@ -107,7 +100,7 @@ def prepare_preference_dataset(dataset, processing_class, args, name: str, paire
     if not paired and "chosen" in first:
         dataset = unpair_preference_dataset(dataset, **map_kwargs)
     keys = ("chosen", "rejected") if paired else ("completion",)
-    if has_visuals(first):  # images and videos stay in the rows; the collator processes them (data/vision.py)
+    if {"images", "image", "videos", "video"} & first.keys():  # media stay in the rows; the collator processes them
         return dataset.map(
             split_completions_with_images, fn_kwargs={"processing_class": processing_class, "keys": keys}, **map_kwargs
         )
@@ -200,12 +193,7 @@ def pack(
 
 
 def pack_with_images(
-    encoded: EncodedPrompts,
-    completions,
-    pad_token_id,
-    max_length,
-    truncation_mode="keep_start",
-    pad_to_multiple_of=None,
+    encoded: EncodedPrompts, completions, pad_token_id, max_length, truncation_mode, pad_to_multiple_of
 ) -> SequenceBatch:
     """`pack` for prompts encoded with their images: `completions` holds k completions per prompt (row i of the
     j-th block has prompt i, as a pair's chosen then rejected rows), so the prompts' tokens, per-token inputs and
@@ -215,10 +203,7 @@ def pack_with_images(
     prompts = encoded.input_ids * repeat
     if max_length is not None:
         for prompt, completion in zip(prompts, completions, strict=True):
-            cut = (
-                len(prompt) >= max_length if truncation_mode == "keep_start" else len(prompt + completion) > max_length
-            )
-            if cut:
+            if len(prompt) >= max_length if truncation_mode == "keep_start" else len(prompt + completion) > max_length:
                 raise ValueError(
                     f"max_length={max_length} cuts a prompt of {len(prompt)} tokens with its image tokens "
                     f"(completion: {len(completion)} tokens, truncation_mode={truncation_mode!r}): the image features "
@@ -230,13 +215,6 @@ def pack_with_images(
     token_inputs = {k: pack(v * repeat, zeros, 0, *options).input_ids for k, v in encoded.token_inputs.items()}
     visual_inputs = {k: torch.cat([v] * repeat) for k, v in encoded.visual_inputs.items()}
     return dataclasses.replace(sequences, token_inputs=token_inputs, visual_inputs=visual_inputs)
-
-
-def _encode_image_prompts(processing_class, rows) -> EncodedPrompts:
-    texts = [row["prompt_text"] for row in rows]
-    return encode_visual_prompts(
-        processing_class, texts, [get_images(row) or [] for row in rows], [get_videos(row) or [] for row in rows]
-    )
 
 
 @dataclass
@@ -350,53 +328,43 @@ def _ref_column(rows: list[dict[str, Any]], name: str) -> torch.Tensor | None:
 
 
 @dataclass
-class PairedCollator:
-    """Tokenised paired rows (`prompt_ids`, `chosen_ids`, `rejected_ids`, optional `ref_*_logps`) → `PairedBatch`."""
-
+class _PreferenceCollator:
     pad_token_id: int
     max_length: int | None = None
     truncation_mode: str = "keep_start"
     pad_to_multiple_of: int | None = None
     processing_class: Any = None  # for rows with images (`prompt_text` + `images`)
 
+    def packer(self, rows: list[dict[str, Any]]):
+        """`completions -> SequenceBatch` for these rows' prompts (row i's prompt for completions i, i + B, ...); the
+        images of rows with images are processed once, for every use."""
+        options = (self.pad_token_id, self.max_length, self.truncation_mode, self.pad_to_multiple_of)
+        if "prompt_text" in rows[0]:
+            images, videos = [get_images(r) or [] for r in rows], [get_videos(r) or [] for r in rows]
+            encoded = encode_visual_prompts(self.processing_class, [r["prompt_text"] for r in rows], images, videos)
+            return lambda completions: pack_with_images(encoded, completions, *options)
+        prompts = [row["prompt_ids"] for row in rows]
+        return lambda completions: pack(prompts * (len(completions) // len(prompts)), completions, *options)
+
+
+@dataclass
+class PairedCollator(_PreferenceCollator):
+    """Tokenised paired rows (`prompt_ids`, `chosen_ids`, `rejected_ids`, optional `ref_*_logps`) → `PairedBatch`."""
+
     def __call__(self, rows: list[dict[str, Any]]) -> PairedBatch:
         completions = [row["chosen_ids"] for row in rows] + [row["rejected_ids"] for row in rows]
-        options = (self.pad_token_id, self.max_length, self.truncation_mode, self.pad_to_multiple_of)
-        if "prompt_text" in rows[0]:  # the images are processed once per pair, for both rows
-            sequences = pack_with_images(_encode_image_prompts(self.processing_class, rows), completions, *options)
-        else:
-            prompts = [row["prompt_ids"] for row in rows]
-            sequences = pack(prompts + prompts, completions, *options)
+        sequences = self.packer(rows)(completions)
         return PairedBatch(sequences, _ref_column(rows, "ref_chosen_logps"), _ref_column(rows, "ref_rejected_logps"))
 
 
 @dataclass
-class UnpairedCollator:
+class UnpairedCollator(_PreferenceCollator):
     """Tokenised unpaired rows (`prompt_ids`, `completion_ids`, `label`, optional `KL_completion_ids` and `ref_*`)
     → `UnpairedBatch`."""
 
-    pad_token_id: int
-    max_length: int | None = None
-    truncation_mode: str = "keep_start"
-    pad_to_multiple_of: int | None = None
-    processing_class: Any = None  # for rows with images (`prompt_text` + `images`)
-
     def __call__(self, rows: list[dict[str, Any]]) -> UnpairedBatch:
-        options = (self.pad_token_id, self.max_length, self.truncation_mode, self.pad_to_multiple_of)
-        if "prompt_text" in rows[0]:  # the images are processed once, for the completion and the KL rows
-            encoded = _encode_image_prompts(self.processing_class, rows)
-
-            def build(completions):
-                return pack_with_images(encoded, completions, *options)
-        else:
-            prompts = [row["prompt_ids"] for row in rows]
-
-            def build(completions):
-                return pack(prompts, completions, *options)
-
-        kl = None
-        if "KL_completion_ids" in rows[0]:
-            kl = build([row["KL_completion_ids"] for row in rows])
+        build = self.packer(rows)
+        kl = build([row["KL_completion_ids"] for row in rows]) if "KL_completion_ids" in rows[0] else None
         return UnpairedBatch(
             sequences=build([row["completion_ids"] for row in rows]),
             label=torch.tensor([bool(row["label"]) for row in rows]),

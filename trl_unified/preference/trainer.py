@@ -43,12 +43,8 @@ class PreferenceConfig(PolicyConfig):
     disable_dropout: bool = option(True, "Set every dropout probability of the policy and reference to 0.")
     dataset_num_proc: int | None = option(None, "Processes used to tokenise the dataset.")
     max_length: int | None = option(1024, "Maximum tokens of prompt + completion; longer rows are truncated.")
-    precompute_ref_log_probs: bool = option(
-        False, "Compute the reference log-probs of every row once before training, then drop the forward."
-    )
-    precompute_ref_batch_size: int | None = option(
-        None, "Batch size of the precomputation. None: the per-device train / eval batch size."
-    )
+    precompute_ref_log_probs: bool = option(False, "Compute every row's reference log-probs once before training.")
+    precompute_ref_batch_size: int | None = option(None, "Precomputation batch size (None: the per-device one).")
     beta: float = option(0.1, "β: the strength of the tie to the reference model.")
     activation_offloading: bool = option(False, "Offload activations to the CPU.")
     # Fixed for the trainers whose TRL config lacks these fields (KTO): rows keep their start, no WPO weights.
@@ -194,7 +190,7 @@ class PreferenceTrainer(PolicyTrainerBase):
     def completion_logps(self, model, sequences: SequenceBatch, stats: bool = False):
         """Per-token log-probs `(B, L - 1)` of `sequences.input_ids[:, 1:]` under `model` (temperature 1), zeroed
         outside the completion; with `stats`, the `TokenLogprobs` too (entropy, TRL's token statistics, aux loss)."""
-        input_ids = sequences.input_ids
+        width = sequences.input_ids.size(1) - 1
         options = self._logp_options(stats)
         extra = sequences.model_inputs()  # image tensors and per-token inputs of vision-language rows
         layout = None
@@ -204,28 +200,16 @@ class PreferenceTrainer(PolicyTrainerBase):
         router_logits = options["output_router_logits"]
         if not self.args.padding_free and self.uses_shared_prefix(model, "log-prob forward", extra, router_logits):
             layout = SharedPromptLayout.build(sequences, self._pad_token_id())
+        tensors = (sequences.input_ids, sequences.attention_mask, width)
+        if layout is None:
+            options.update(use_cache=False, **extra)
+        else:  # each distinct prompt encoded once (a pair's chosen and rejected rows share it)
+            tensors = (layout.input_ids, layout.attention_mask, layout.targets.size(1))
+            options.update(shared_prefix=True, position_ids=layout.position_ids)
         with self.accelerator.autocast():
-            if layout is not None:  # each distinct prompt encoded once (a pair's chosen and rejected rows share it)
-                out = compute_token_logprobs(
-                    model,
-                    layout.input_ids,
-                    layout.attention_mask,
-                    layout.targets.size(1),
-                    shared_prefix=True,
-                    position_ids=layout.position_ids,
-                    **options,
-                )
-                out = out.map(lambda values: layout.scatter(values, input_ids.size(1) - 1))
-            else:
-                out = compute_token_logprobs(
-                    model,
-                    input_ids,
-                    sequences.attention_mask,
-                    input_ids.size(1) - 1,
-                    use_cache=False,
-                    **options,
-                    **extra,
-                )
+            out = compute_token_logprobs(model, *tensors, **options)
+        if layout is not None:
+            out = out.map(lambda values: layout.scatter(values, width))
         logps = out.logps * sequences.completion_mask[:, 1:]
         return (logps, out) if stats else logps
 

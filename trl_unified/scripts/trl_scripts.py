@@ -1,12 +1,8 @@
 # Copyright 2026 The trl_unified authors. Licensed under the Apache License, Version 2.0.
 """TRL's own training scripts with trl_unified's classes: `trl-unified <name>` runs `trl.scripts.<name>`.
 
-Given a model or a config, `trl-unified rloo|grpo|dpo|kto|distillation` (and `examples/<name>.py`) is TRL's script:
-its argument dataclasses (the script arguments with `reward_funcs`, the trainer's config, `trl.ModelConfig`,
-`trl.DatasetMixtureConfig`), its YAML handling and its `main` (dataset mixtures and streaming, the reward registry
-and dotted import paths, PEFT, quantization, resume, push, `trainer.end()`), run with trl_unified's trainer and
-config. TRL's scripts import those classes from `trl` when they run; `trl_classes` puts ours there for the duration,
-so nothing of TRL's script is written again here, and the same command and YAML train the same numbers.
+Given a model or a config, `trl-unified <name>` is TRL's script as it is (docs/cli.md, "TRL's scripts, our classes"):
+TRL's scripts import their classes from `trl` when they run, and `trl_classes` puts ours there for the duration.
 """
 
 import contextlib

@@ -120,12 +120,9 @@ class AsyncGRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
 
     # TRL's attributes
     epsilon_low = property(lambda self: self.args.epsilon)
-    temperature = property(lambda self: self.args.temperature)
     model_version = property(lambda self: self.vllm_engine.version or 0)
 
-    @property
-    def epsilon_high(self) -> float:
-        return self.args.epsilon if self.args.epsilon_high is None else self.args.epsilon_high
+    epsilon_high = property(lambda s: s.args.epsilon if s.args.epsilon_high is None else s.args.epsilon_high)
 
     def _load_policy(self, model, args, quantization_config):
         if isinstance(model, str):  # TRL's `dtype` field, unless model_init_kwargs names one

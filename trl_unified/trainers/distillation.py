@@ -144,10 +144,6 @@ class DistillationTrainer(OnlineTrainer):
             tools=tools,
         )
 
-    @property
-    def temperature(self) -> float:
-        return self.args.temperature
-
     def setup(self) -> None:
         super().setup()
         self.teacher_model = prepare_frozen_model(self._load_teacher(self._teacher_source), self.accelerator)

@@ -56,10 +56,7 @@ class DPOConfig(TruncationConfig, PreferenceConfig):
     discopop_tau: float = option(0.05, "τ of the DiscoPOP loss.")
     pad_token: str | None = option(None, "Deprecated: set tokenizer.pad_token instead.")
     padding_free: bool | None = option(
-        False,
-        "TRL's default, False: padded rows where prompts are not shared. True packs the rows instead of sharing "
-        "prompts; None (auto) packs the passes that do not share prompts where at least 10% of their slots are "
-        "padding (core/packing.py). The same numbers either way.",
+        False, "False (TRL): padded rows; True: packed; None: packed where padding is large (docs/padding_free.md)."
     )
 
     def __post_init__(self):
@@ -153,10 +150,6 @@ class DPOTrainer(PreferenceTrainer):
             loss = loss + (per_pair * weights).mean() * weight
         loss = self.add_aux_loss(loss, out.aux_loss)
 
-        self._log_pair_metrics(inputs, out, h_w.detach(), h_l.detach(), logps_w.detach(), logps_l.detach(), mask_w)
-        return loss
-
-    def _log_pair_metrics(self, inputs: PairedBatch, out, h_w, h_l, logps_w, logps_l, mask_w):
         half = len(inputs)
         is_chosen = torch.arange(2 * half, device=h_w.device) < half
         self.log_sequence_metrics(inputs.sequences, out, {"chosen": is_chosen, "rejected": ~is_chosen})
@@ -164,10 +157,9 @@ class DPOTrainer(PreferenceTrainer):
         correct = gather((out.stats["is_top1"][:half] & mask_w).sum()).sum()
         total = gather(mask_w.sum()).sum()
         self.log_metric("mean_token_accuracy", (correct / total).item() if total > 0 else 0.0)
-        r_w, r_l = gather(self.beta * h_w), gather(self.beta * h_l)
-        self.log_metric("rewards/chosen", r_w.mean().item())
-        self.log_metric("rewards/rejected", r_l.mean().item())
-        self.log_metric("rewards/accuracies", (r_w > r_l).float().mean().item())
-        self.log_metric("rewards/margins", (r_w - r_l).mean().item())
-        self.log_metric("logps/chosen", gather(logps_w).mean().item())
-        self.log_metric("logps/rejected", gather(logps_l).mean().item())
+        r_w, r_l = gather(self.beta * h_w.detach()), gather(self.beta * h_l.detach())
+        for name, value in (("chosen", r_w), ("rejected", r_l), ("accuracies", r_w > r_l), ("margins", r_w - r_l)):
+            self.log_metric(f"rewards/{name}", value.float().mean().item())
+        self.log_metric("logps/chosen", gather(logps_w.detach()).mean().item())
+        self.log_metric("logps/rejected", gather(logps_l.detach()).mean().item())
+        return loss

@@ -45,9 +45,7 @@ class KTOConfig(PreferenceConfig):
     loss_type: str = field(default="kto", metadata={"help": f"One of {', '.join(LOSS_TYPES)}."})
     desirable_weight: float = option(1.0, "λ_D, weight of the desirable rows' losses.")
     undesirable_weight: float = option(1.0, "λ_U, weight of the undesirable rows' losses.")
-    train_sampling_strategy: str = option(
-        "sequential", "Row order; 'sequential' keeps the KL pairing of neighbouring rows."
-    )
+    train_sampling_strategy: str = option("sequential", "Row order; 'sequential' keeps the KL pairs of neighbours.")
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -149,14 +147,10 @@ class KTOTrainer(PreferenceTrainer):
             columns = self.reference_columns(inputs)
         else:
             columns = {"ref_logps": inputs.ref_logps, "ref_KL_logps": inputs.ref_KL_logps}
-        ref_logps = columns["ref_logps"]
-        logratios = per_token.sum(1) - ref_logps
+        logratios, gather = per_token.sum(1) - columns["ref_logps"], self.accelerator.gather_for_metrics
+        kl = torch.zeros((), device=logratios.device)
         if self._uses_kl():
-            kl_logps = kl_per_token.sum(1)
-            ref_kl = columns["ref_KL_logps"]
-            kl = self.accelerator.gather_for_metrics((kl_logps - ref_kl).mean().detach()).mean().clamp(min=0)
-        else:
-            kl = torch.zeros((), device=logratios.device)
+            kl = gather((kl_per_token.sum(1) - columns["ref_KL_logps"]).mean().detach()).mean().clamp(min=0)
         h_d, h_u = logratios[desirable], logratios[~desirable]
         if args.loss_type == "kto":  # Eq. 7-8
             losses_d, losses_u = 1 - F.sigmoid(beta * (h_d - kl)), 1 - F.sigmoid(beta * (kl - h_u))
@@ -167,7 +161,6 @@ class KTOTrainer(PreferenceTrainer):
 
         self.log_metric("kl", kl.item())
         self.log_sequence_metrics(inputs.sequences, out, {"chosen": desirable, "rejected": ~desirable})
-        gather = self.accelerator.gather_for_metrics
         means = {}
         for group, rows in (("chosen", desirable), ("rejected", ~desirable)):
             count = gather(rows.sum()).sum().item()

@@ -37,9 +37,7 @@ class OnlineDPOConfig(OnlineConfig):
 
     _batch_unit = 2
     learning_rate: float = option(5e-7, "Initial AdamW learning rate.")
-    reward_model_path: str | None = option(
-        None, "Not read by the trainer (as in TRL): reward models go in reward_funcs."
-    )
+    reward_model_path: str | None = option(None, "Not read (as in TRL): reward models go in reward_funcs.")
     max_new_tokens: int = option(64, "Maximum length of each completion.")
     max_length: int = option(512, "Prompt + completion tokens in the loss passes; longer prompts lose their start.")
     temperature: float = option(0.9, "Sampling temperature (the loss reads log-probs at temperature 1).")
@@ -100,9 +98,9 @@ class OnlineDPOTrainer(OnlineTrainer):
             callbacks, optimizers, peft_config=peft_config, ref_model=ref_model, **online_kwargs,
         )  # fmt: skip
 
-    @staticmethod
-    def vllm_mode_of(args) -> str | None:
-        return args.vllm_mode if args.use_vllm else None  # TRL's online DPO: None with vLLM off
+    def setup(self) -> None:
+        super().setup()
+        self.vllm_mode = self.args.vllm_mode if self.args.use_vllm else None  # TRL's online DPO: None with vLLM off
 
     @property
     def beta(self) -> float:

@@ -251,7 +251,6 @@ class PPOTrainer(CriticMixin, OnlineTrainer):
             self.log_metric("eps", int((update + 1) * args.batch_size / max(time.time() - self._start_time, 1e-9)))
             if self._sample_every and update % self._sample_every == 0:
                 self.generate_completions(sampling=True)
-        return None
 
     # ------------------------------------------------------------------ loss
     def compute_policy_loss(self, model, inputs: RolloutBatch, num_items_in_batch=None):
@@ -281,9 +280,7 @@ class PPOTrainer(CriticMixin, OnlineTrainer):
             self.log_metric("val/ratio", ratio.mean().item())
         return pg_loss + args.vf_coef * vf_loss
 
-    def generate_completions(self, sampling: bool = False) -> list[dict]:
-        """TRL's sample generations (see `online/completion_log.py`, `sample_generations`)."""
-        return sample_generations(self, sampling)
+    generate_completions = sample_generations  # TRL 1.12's method (online/completion_log.py)
 
     def log(self, logs, start_time=None):
         ratios = self._metrics[self.mode].get("val/ratio", [])

@@ -57,9 +57,7 @@ class RLOOConfig(OnlineConfig):
     num_generations: int | None = option(2, "Completions sampled per prompt (G >= 2).")
     beta: float = option(0.05, "KL coefficient β. If 0.0, no reference model is loaded.")
     normalize_advantages: bool = option(False, "Normalise advantages over the generation batch to mean 0, std 1.")
-    reward_clip_range: tuple[float, float] | None = option(
-        None, "Clip rewards to (min, max) before the KL penalty. None: no clipping."
-    )
+    reward_clip_range: tuple[float, float] | None = option(None, "Clip rewards to (min, max) before the KL penalty.")
 
     def __post_init__(self):
         super().__post_init__()
@@ -76,11 +74,8 @@ class RLOOTrainer(OnlineTrainer):
     loss_is_scaled_for_ga = False  # per-micro-batch mean: the Trainer divides by gradient accumulation
 
     def rollout_plan(self) -> RolloutPlan:
-        """TRL's RLOO always runs a no-grad forward for π_old. When the policy cannot change between generation and
-        every use of the batch (one pass, one optimiser step per generation round, and with a reference the whole
-        round in one micro-batch), π_old equals the loss forward's log-probs, detached: that forward is skipped, and
-        the KL shaping of the reward, which needs π_old, waits for the loss (`defer_advantages`). Evaluation always
-        computes it."""
+        """π_old is the loss forward's log-probs, detached, where the policy cannot change between generation and
+        every use of the batch: TRL's no-grad forward skipped, the KL shaping deferred (docs/rloo.md)."""
         a = self.args
         aligned = a.num_iterations == 1 and a.steps_per_generation == a.gradient_accumulation_steps
         unchanged = aligned and (a.beta == 0.0 or a.steps_per_generation == 1)
@@ -121,7 +116,6 @@ class RLOOTrainer(OnlineTrainer):
         old_logps = (inputs.old_logps * mask).sum(1) if inputs.old_logps is not None else logps.detach()
         deferred = self.plan.defers_advantages(mode)
         advantages = self._deferred_advantages(inputs, out.logps.detach()) if deferred else inputs.advantages
-        assert logps.shape == advantages.shape, (logps.shape, advantages.shape)
         ratio = torch.exp(logps - old_logps)  # (B,)
         low, high = self.args.clip_range()
         loss = -torch.min(ratio * advantages, ratio.clamp(low, high) * advantages).mean()
