@@ -253,15 +253,13 @@ def build_tool_tokenizer(corpus: list[str] | None = None, vocab_size: int = 600)
     from tokenizers import AddedToken
 
     template = trl_chat_template("qwen2_5")
-    texts = (
-        list(corpus or [])
-        + template.splitlines()
-        + [
-            '<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>',
-            "What is 3 times 4? The answer is 12. Done!",
-            "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 {}[]():,.!?\"'-_+=*/<>\n",
-        ]
-    )
+    texts = [
+        *(corpus or []),
+        *template.splitlines(),
+        '<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>',
+        "What is 3 times 4? The answer is 12. Done!",
+        "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 {}[]():,.!?\"'-_+=*/<>\n",
+    ]
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()

@@ -152,8 +152,7 @@ def configure_iterable_loading(args, train_dataset, eval_dataset) -> None:
 
 def has_iterable(*datasets) -> bool:
     """Whether any of `datasets` (or of the values of a dict of eval sets) is an `IterableDataset`."""
-    flat = [d for x in datasets for d in (x.values() if isinstance(x, dict) else [x])]
-    return any(isinstance(d, IterableDataset) for d in flat)
+    return any(isinstance(d, IterableDataset) for x in datasets for d in (x.values() if isinstance(x, dict) else [x]))
 
 
 def check_dataset_types(train_dataset, eval_dataset) -> None:

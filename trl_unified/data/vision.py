@@ -34,13 +34,10 @@ def prepare_visual_messages(messages, images=None, videos=None) -> list[dict[str
         return messages
     first_user = next(i for i, message in enumerate(messages) if message["role"] == "user")
     content = messages[first_user]["content"]
-    after_images = sum(1 for part in content if part.get("type") == "image")
+    n = sum(1 for part in content if part.get("type") == "image")  # the video parts go after the image parts
     parts = [{"type": "video"} for _ in videos]
     messages = list(messages)
-    messages[first_user] = {
-        **messages[first_user],
-        "content": [*content[:after_images], *parts, *content[after_images:]],
-    }
+    messages[first_user] = {**messages[first_user], "content": [*content[:n], *parts, *content[n:]]}
     return messages
 
 

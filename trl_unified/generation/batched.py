@@ -125,17 +125,14 @@ def _generate_in_chunks(model, encoded, generation_config, options: GenerationOp
     shared_prefix = options.shared_prefix and not is_encoder_decoder
     # A pad beyond the embedding table (added without resizing) never reaches it: prompts are padded with an id the
     # table holds, generation feeds that id back after a row's EOS, and the new tokens get the tokenizer's pad again.
-    fill = padding_fill_id(pad_token_id, embedding_rows(model))
-    decoding_config = with_pad_in_table(model, generation_config)
-    refill_after = []  # the EOS ids after which decoding wrote the fill
-    if decoding_config is not generation_config:
-        refill_after = eos_ids(lean.effective_generation_config(model, decoding_config))
+    fill, config = padding_fill_id(pad_token_id, embedding_rows(model)), with_pad_in_table(model, generation_config)
+    refill_after = eos_ids(lean.effective_generation_config(model, config)) if config is not generation_config else []
     completions, logprobs = [], []
     with packed_linear_weights(model, min(batch_size, len(encoded)), enabled=pack):
         for start in range(0, len(encoded), batch_size):
             chunk = collate_chunk(encoded[start : start + batch_size], fill, options.pad_to_multiple_of, device)
             sequences, chunk_logprobs = _generate_chunk(
-                model, chunk, decoding_config, shared_prefix, lean_obstacle, options.return_logprobs
+                model, chunk, config, shared_prefix, lean_obstacle, options.return_logprobs
             )
             logprobs.extend(chunk_logprobs if chunk_logprobs is not None else [None] * len(sequences))
             # decoder-only: drop the prompt; encoder-decoder: drop the decoder start token

@@ -149,7 +149,7 @@ def lean_generate(
     """
     generation_config = effective_generation_config(model, generation_config)
     batch, prompt_length = input_ids.shape
-    new_tokens = generation_config.max_new_tokens
+    new_tokens, do_sample = generation_config.max_new_tokens, generation_config.do_sample
     device, eos = input_ids.device, eos_ids(generation_config)
     pad_token_id = generation_config.pad_token_id if generation_config.pad_token_id is not None or not eos else eos[0]
     eos_tensor = torch.tensor(eos, device=device, dtype=torch.long) if eos else None
@@ -166,14 +166,14 @@ def lean_generate(
     cache_name = cache_kwarg(model)
     outputs, cache = _prefill(model, input_ids, attention_mask, positions, cache, cached_length)
     length = prompt_length
-    temperature = (generation_config.temperature or 1.0) if generation_config.do_sample else 1.0
+    temperature = (generation_config.temperature or 1.0) if do_sample else 1.0
     logprobs = torch.zeros(batch, new_tokens, dtype=torch.float32, device=device) if return_logprobs else None
     for step in range(new_tokens):
         logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
         if return_logprobs:
             logprobs_step = torch.log_softmax(logits / temperature, dim=-1)  # before the processors modify logits
         scores = processors(ids[:, :length], logits)
-        next_tokens = _choose(scores, generation_config.do_sample)
+        next_tokens = torch.multinomial(scores.softmax(-1), 1).squeeze(1) if do_sample else scores.argmax(-1)
         if eos_tensor is not None:
             next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
         ids[:, length] = next_tokens
@@ -217,13 +217,6 @@ def _prefill(model, input_ids, attention_mask, positions, cache, cached_length):
         _unsupported_models[type(_base_model(model))] = reason
         raise LeanDecodeUnsupported(reason)
     return outputs, cache
-
-
-def _choose(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
-    """The next token of each row from processed scores `(B, V)`: sampled from their softmax, or the argmax."""
-    if do_sample:
-        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-    return torch.argmax(scores, dim=-1)
 
 
 def generate_chunk(

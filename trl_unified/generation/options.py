@@ -96,8 +96,7 @@ def resolve_options(options: GenerationOptions | None, keywords: GenerationOptio
 def get_eos_token_ids(model, processing_class) -> list[int]:
     """The tokenizer's EOS first, then any other EOS of the model's generation config (e.g. `<|im_end|>`)."""
     tokenizer = get_tokenizer(processing_class)
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    ids = eos_ids(getattr(model, "generation_config", None))
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids = [tokenizer.eos_token_id, *ids]
     return ids
@@ -126,11 +125,9 @@ def build_generation_config(
         "eos_token_id": list(eos_token_ids) or None,  # none: generate max_new_tokens tokens
         "cache_implementation": args.cache_implementation,
         "repetition_penalty": args.repetition_penalty,
+        # greedy: explicit neutral values, so the model's own sampling defaults cannot leak in
+        **{k: getattr(args, k) if do_sample else None for k in ("temperature", "top_p", "top_k", "min_p")},
     }
-    if do_sample:
-        kwargs.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
-    else:  # explicit neutral values, so the model's own sampling defaults cannot leak in
-        kwargs.update(temperature=None, top_p=None, top_k=None, min_p=None)
     kwargs.update(args.generation_kwargs or {})
     placeholders = [getattr(model_config, k, None) for k in ("image_token_id", "video_token_id")]
     if kwargs.get("suppress_tokens") is None and any(t is not None for t in placeholders):
@@ -138,9 +135,9 @@ def build_generation_config(
     return GenerationConfig(**kwargs, disable_compile=True)
 
 
-def eos_ids(generation_config: GenerationConfig) -> list[int]:
-    """The EOS ids of a generation config, as a list (empty when unset)."""
-    eos = generation_config.eos_token_id
+def eos_ids(generation_config: GenerationConfig | None) -> list[int]:
+    """The EOS ids of a generation config, as a list (empty when unset or without a config)."""
+    eos = getattr(generation_config, "eos_token_id", None)
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 

@@ -83,7 +83,7 @@ class GenerationOutput:
         prompts left-padded, completions right-padded and kept whole (a completion ends where its list ends); a
         completion is truncated when its last token is neither an EOS nor the pad token (TRL's rule)."""
         tokenizer = get_tokenizer(processing_class)
-        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad_token_id = padding_token_id(tokenizer)
         prompts = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]
         completions = [torch.tensor(ids, dtype=torch.long) for ids in completion_ids]
         ends = {*eos_token_ids, pad_token_id}
@@ -130,47 +130,27 @@ def build_output(
     if not encoded:  # nothing to generate here (e.g. this process's share of a small eval set)
         empty = torch.zeros(0, 0, dtype=torch.long, device=device)
         return GenerationOutput(empty, empty, empty, empty, [], torch.zeros(0, dtype=torch.bool, device=device))
-    pad_token_id = padding_token_id(tokenizer)
+    pad_token_id, multiple = padding_token_id(tokenizer), options.pad_to_multiple_of
     prompt_tensors = [torch.as_tensor(e["input_ids"]).view(-1) for e in encoded]
-    prompt_ids = pad(prompt_tensors, pad_token_id, "left", options.pad_to_multiple_of).to(device)
-    prompt_mask = pad([torch.ones_like(t) for t in prompt_tensors], 0, "left", options.pad_to_multiple_of).to(device)
+    prompt_ids = pad(prompt_tensors, pad_token_id, "left", multiple).to(device)
+    prompt_mask = pad([torch.ones_like(t) for t in prompt_tensors], 0, "left", multiple).to(device)
     completion_ids = pad(completions, pad_token_id, "right").to(device)
     completion_ids, completion_mask, is_truncated = cut_after_eos(completion_ids, eos_token_ids, pad_token_id)
     width = int(completion_mask.sum(1).max()) if len(completions) else 0  # drop columns that are padding everywhere
     completion_ids, completion_mask = completion_ids[:, :width], completion_mask[:, :width]
-    token_logprobs = None
-    if options.return_logprobs and logprobs and all(row is not None for row in logprobs):
-        token_logprobs = pad(logprobs, 0.0, "right").to(device)[:, :width] * completion_mask
     kept = [ids[m.bool()].tolist() for ids, m in zip(completion_ids, completion_mask, strict=True)]
     if not (options.strip_prompt or is_encoder_decoder):
         kept = [p.tolist() + c for p, c in zip(prompt_tensors, kept)]
     texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
-    visual_inputs, prompt_token_inputs = _processor_inputs(encoded, options, device)
-    return GenerationOutput(
-        prompt_ids,
-        prompt_mask,
-        completion_ids,
-        completion_mask,
-        texts,
-        is_truncated,
-        visual_inputs,
-        prompt_token_inputs,
-        logprobs=token_logprobs,
-    )
-
-
-def _processor_inputs(encoded, options: GenerationOptions, device) -> tuple[list[dict] | None, dict]:
-    """The processor's other outputs: per-token ones (e.g. `mm_token_type_ids`) left-padded like the prompt ids, and
-    with images or videos, each row's remaining tensors (e.g. `pixel_values`, `image_grid_thw`)."""
-    visual_inputs, prompt_token_inputs = None, {}
-    for key, value in encoded[0].items():
+    out = GenerationOutput(prompt_ids, prompt_mask, completion_ids, completion_mask, texts, is_truncated, None, {})
+    if options.return_logprobs and logprobs and all(row is not None for row in logprobs):
+        out.logprobs = pad(logprobs, 0.0, "right").to(device)[:, :width] * completion_mask
+    for key, value in encoded[0].items():  # per-token processor outputs (e.g. mm_token_type_ids): padded like the ids
         if key not in ("input_ids", "attention_mask") and is_sequence_aligned(value, encoded[0]["input_ids"]):
-            prompt_token_inputs[key] = pad(
-                [e[key].view(-1) for e in encoded], 0, "left", options.pad_to_multiple_of
-            ).to(device)
-    if options.has_visual_inputs:
-        visual_inputs = [  # input_ids and attention_mask are (1, L) here: sequence-aligned, so left out
+            out.prompt_token_inputs[key] = pad([e[key].view(-1) for e in encoded], 0, "left", multiple).to(device)
+    if options.has_visual_inputs:  # each row's other tensors (pixel_values, ...); ids and mask are (1, L): aligned
+        out.visual_inputs = [
             {k: v for k, v in e.items() if isinstance(v, torch.Tensor) and not is_sequence_aligned(v, e["input_ids"])}
             for e in encoded
         ]
-    return visual_inputs, prompt_token_inputs
+    return out

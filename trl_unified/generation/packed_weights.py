@@ -24,7 +24,6 @@ _status: dict[str, str | None] = {}  # "reason": why packing is unavailable in t
 def _unavailable_reason() -> str | None:
     """Why this PyTorch build cannot pack linear weights (checked once, on a small product), or None."""
     if "reason" not in _status:
-        reason = None
         try:
             if not torch.backends.mkldnn.is_available():
                 raise RuntimeError("PyTorch was built without oneDNN (mkldnn)")
@@ -34,11 +33,10 @@ def _unavailable_reason() -> str | None:
             out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
             if not torch.allclose(out, nn.functional.linear(x, weight), rtol=1e-4, atol=1e-5):
                 raise RuntimeError("the packed product differs from F.linear")
+            _status["reason"] = None
         except Exception as e:  # any failure of the probe: keep F.linear
-            reason = f"{type(e).__name__}: {e}"
-        _status["reason"] = reason
-        if reason is not None:
-            logger.info(f"Linear weights are not prepacked for CPU decoding: {reason}.")
+            _status["reason"] = f"{type(e).__name__}: {e}"
+            logger.info(f"Linear weights are not prepacked for CPU decoding: {_status['reason']}.")
     return _status["reason"]
 
 

@@ -91,9 +91,8 @@ def common_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_
 
 def common_prefix_cache(model, input_ids, attention_mask, position_ids, k: int) -> Cache:
     """`encode_prefix` of the first `k` columns of rows laid out by `common_prefix`: one pass for all rows."""
-    first = torch.zeros(1, dtype=torch.long, device=input_ids.device)
-    inverse = torch.zeros(input_ids.size(0), dtype=torch.long, device=input_ids.device)
-    return encode_prefix(model, input_ids, attention_mask, k, (first, inverse), position_ids)
+    inverse = torch.zeros(input_ids.size(0), dtype=torch.long, device=input_ids.device)  # every row: the first's
+    return encode_prefix(model, input_ids, attention_mask, k, (inverse[:1], inverse), position_ids)
 
 
 def encode_prefix(model, input_ids, attention_mask, length: int, groups, position_ids=None, expand=True) -> Cache:
@@ -156,8 +155,7 @@ def _select_rows(model, cache: Cache, index: torch.Tensor) -> Cache:
 
 def _base_model(model):
     """The model under a DDP / DeepSpeed wrapper (`.module`) and a PEFT wrapper."""
-    base = model.module if hasattr(model, "module") else model
-    return base_model(base)
+    return base_model(model.module if hasattr(model, "module") else model)
 
 
 def generation_positions(attention_mask: torch.Tensor) -> torch.Tensor:

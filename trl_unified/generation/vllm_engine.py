@@ -65,8 +65,15 @@ def named_weights(model, accelerator=None) -> Iterator[tuple[str, torch.Tensor]]
     unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
     is_peft = is_peft_model(unwrapped)
     gather_each = _deepspeed_zero3(accelerator) and not is_peft  # ZeRO-3: one parameter at a time (PEFT: all at once)
-    merged = _merged_adapter(unwrapped) if is_peft else contextlib.nullcontext()
-    with _full_parameters(unwrapped, accelerator, everything=is_peft), merged:
+    FSDP, wrapped = fsdp1_class(), (getattr(accelerator, "_models", None) or [None])[0]
+    with contextlib.ExitStack() as stack:
+        if _deepspeed_zero3(accelerator) and is_peft:  # all at once: merging needs base and adapter together
+            stack.enter_context(zero3_gathered(unwrapped.parameters()))
+        elif FSDP is not None and isinstance(wrapped, FSDP):  # FSDP1: the full parameters summoned
+            stack.enter_context(FSDP.summon_full_params(wrapped, writeback=False))
+        if is_peft:
+            unwrapped.merge_adapter()
+            stack.callback(unwrapped.unmerge_adapter)
         adapter_prefix = getattr(unwrapped, "prefix", "lora_") if is_peft else None
         for name, param in unwrapped.named_parameters():
             if is_peft:
@@ -84,38 +91,14 @@ def named_weights(model, accelerator=None) -> Iterator[tuple[str, torch.Tensor]]
                 yield _vllm_name(name), tensor
 
 
-@contextlib.contextmanager
-def _merged_adapter(model):
-    model.merge_adapter()
-    try:
-        yield
-    finally:
-        model.unmerge_adapter()
-
-
-@contextlib.contextmanager
-def _full_parameters(model, accelerator, everything: bool):
-    """ZeRO-3 with PEFT: every parameter gathered at once (merging needs base and adapter together); FSDP1: the full
-    parameters summoned. Otherwise nothing (parameters are gathered one at a time)."""
-    if _deepspeed_zero3(accelerator) and everything:
-        with zero3_gathered(model.parameters()):
-            yield
-        return
-    FSDP = fsdp1_class()
-    wrapped = (getattr(accelerator, "_models", None) or [None])[0]
-    if FSDP is not None and isinstance(wrapped, FSDP):
-        with FSDP.summon_full_params(wrapped, writeback=False):
-            yield
-        return
-    yield
-
-
 # ---------------------------------------------------------------------------------------------------- sampling
 def sampling_settings(generation_config: GenerationConfig, eos_token_ids: Sequence[int]) -> dict[str, Any]:
     """vLLM's sampling parameters for a trainer's `GenerationConfig` (the same fields TRL passes): greedy when
     `do_sample` is off (temperature 0), generation stopped at the EOS ids, the sampled tokens' log-probs returned."""
+    if generation_config.num_beams not in (None, 1):
+        raise ValueError("use_vllm=True does not run beam search (num_beams > 1): vLLM samples or decodes greedily.")
     sample = bool(generation_config.do_sample)
-    settings = {
+    return {
         "temperature": float(generation_config.temperature or 1.0) if sample else 0.0,
         "top_p": float(generation_config.top_p or 1.0) if sample else 1.0,
         "top_k": int(generation_config.top_k or 0) if sample else 0,
@@ -125,9 +108,6 @@ def sampling_settings(generation_config: GenerationConfig, eos_token_ids: Sequen
         "stop_token_ids": list(eos_token_ids) or list(eos_ids(generation_config)),
         "logprobs": 0,  # the sampled token's log-prob only
     }
-    if generation_config.num_beams not in (None, 1):
-        raise ValueError("use_vllm=True does not run beam search (num_beams > 1): vLLM samples or decodes greedily.")
-    return settings
 
 
 def group_runs(prompt_ids: Sequence[Sequence[int]]) -> list[tuple[list[int], int]]:
@@ -265,18 +245,13 @@ def check_vllm_settings(args, model, accelerator) -> None:
                 )
 
 
-def _engine_dtype(model) -> str:
-    dtype = next(model.parameters()).dtype
-    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "auto")
-
-
 class VLLMColocateEngine(VLLMEngine):
     def __init__(self, args, model, accelerator):
         super().__init__(args, args.vllm_structured_outputs_regex, engine_generation_kwargs(args))
         unwrapped = accelerator.unwrap_model(model)
         unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
         base = base_model(unwrapped)
-        tp = args.vllm_tensor_parallel_size
+        tp, dtype = args.vllm_tensor_parallel_size, str(next(base.parameters()).dtype).removeprefix("torch.")
         self.tp_group = None
         if tp > 1:
             self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
@@ -288,7 +263,7 @@ class VLLMColocateEngine(VLLMEngine):
             max_model_len=args.vllm_max_model_length,
             enable_sleep_mode=args.vllm_enable_sleep_mode,
             model_impl=args.vllm_model_impl,
-            dtype=_engine_dtype(base),
+            dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "auto",
             seed=accelerator.process_index // tp,
         )
         key = json.dumps([base.config.to_diff_dict(), settings], sort_keys=True, default=str)
@@ -362,18 +337,10 @@ class VLLMColocateEngine(VLLMEngine):
         for output in outputs:
             for sample in output.outputs:
                 completions.append(torch.tensor(list(sample.token_ids), dtype=torch.long))
-                logprobs.append(_sampled_logprobs(sample.logprobs, sample.token_ids))
+                steps = sample.logprobs or [{}] * len(sample.token_ids)  # NaN where vLLM gave none, as TRL
+                values = [float(s[t].logprob) if t in s else float("nan") for s, t in zip(steps, sample.token_ids)]
+                logprobs.append(torch.tensor(values, dtype=torch.float32))
         return completions[rows], logprobs[rows]
-
-
-def _sampled_logprobs(logprobs, token_ids) -> torch.Tensor:
-    """The sampled tokens' log-probs from vLLM's per-position dicts (NaN where vLLM gave none, as TRL)."""
-    if logprobs is None:
-        return torch.full((len(token_ids),), float("nan"))
-    return torch.tensor(
-        [float(step[t].logprob) if t in step else float("nan") for step, t in zip(logprobs, token_ids)],
-        dtype=torch.float32,
-    )
 
 
 # vLLM sampling parameters a `generation_kwargs` entry may set (passed through, as TRL does); the sampling fields

@@ -164,8 +164,7 @@ def prepare_tool_template(processing_class) -> str | None:
 def run_tool_calls(tool_calls: list[dict], tools: list[Callable], event_loop: EventLoopThread | None):
     """Execute one turn's tool calls. Returns `(results, failures)`: `(name, result)` pairs in call order for sync
     tools then async ones (async calls of the turn run concurrently), the failures as `{"error": message}` results."""
-    sync_tools = {t.__name__: t for t in tools if not is_async_callable(t)}
-    async_tools = {t.__name__: t for t in tools if is_async_callable(t)}
+    by_name = {t.__name__: t for t in tools}
     results, coroutines, failures = [], [], 0
     for call in tool_calls:
         if call.get("type", "function") != "function":
@@ -175,12 +174,10 @@ def run_tool_calls(tool_calls: list[dict], tools: list[Callable], event_loop: Ev
         function = call["function"]
         name = function["name"]
         try:
-            if name in sync_tools:
-                results.append((name, sync_tools[name](**function["arguments"])))
-            elif name in async_tools:
-                coroutines.append((name, async_tools[name](**function["arguments"])))
-            else:
+            if name not in by_name:
                 raise ValueError(f"Tool {name} not found.")
+            result = by_name[name](**function["arguments"])
+            (coroutines if is_async_callable(by_name[name]) else results).append((name, result))
         except Exception as e:  # the model reads the error and may correct itself: training goes on
             failures += 1
             results.append((name, {"error": str(e)}))

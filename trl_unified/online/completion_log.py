@@ -16,15 +16,10 @@ class CompletionLog:
     """
 
     def __init__(self, size: int):
-        self.columns = {
-            "images": deque(maxlen=size),
-            "prompt": deque(maxlen=size),
-            "completion": deque(maxlen=size),
-            "rewards": defaultdict(lambda: deque(maxlen=size)),
-            "advantages": deque(maxlen=size),
-            "extra": defaultdict(lambda: deque(maxlen=size)),
-        }
-        self._rewards = deque(maxlen=size)  # each completion's combined reward (NaN: unscored)
+        new = lambda: deque(maxlen=size)
+        self.columns = dict(images=new(), prompt=new(), completion=new(), rewards=defaultdict(new), advantages=new())
+        self.columns["extra"] = defaultdict(new)
+        self._rewards = new()  # each completion's combined reward (NaN: unscored)
         self._pending_extra: dict[str, list] = defaultdict(list)
         self._rounds = self._printed = 0
 

@@ -122,10 +122,7 @@ class CompletionsMixin:
         tokenizer = get_tokenizer(self.processing_class)
         if not is_conversational({"prompt": prompts[0]}):
             return tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        if (
-            getattr(tokenizer, "response_template", None) is None
-            and getattr(tokenizer, "response_schema", None) is None
-        ):
+        if all(getattr(tokenizer, name, None) is None for name in ("response_template", "response_schema")):
             texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
             return [[{"role": "assistant", "content": text}] for text in texts]
         return [
@@ -140,7 +137,7 @@ class CompletionsMixin:
         included) is spent. Returns `(completion_ids, tool_mask, completions, calls, failures)`, lists extended in
         place."""
         tokenizer, template_kwargs = get_tokenizer(self.processing_class), dict(self.args.chat_template_kwargs or {})
-        context_length = max_positions(self.accelerator.unwrap_model(self.model))
+        context_length = max_positions(self.accelerator.unwrap_model(self.model)) or float("inf")
         rounds = self.max_tool_calling_iterations if self.max_tool_calling_iterations is not None else float("inf")
         tool_mask = [[1] * len(ids) for ids in completion_ids]
         active = [i for i, messages in enumerate(completions) if messages[-1].get("tool_calls")]
@@ -158,9 +155,7 @@ class CompletionsMixin:
                 ]
                 suffix = tool_suffix_ids(self.processing_class, messages, self.chat_template, template_kwargs)
                 context = prompt_ids[i] + completion_ids[i] + suffix
-                if len(context) - len(prompt_ids[i]) > budget or (
-                    context_length is not None and len(context) >= context_length
-                ):
+                if len(context) - len(prompt_ids[i]) > budget or len(context) >= context_length:
                     continue  # no room for another turn: the row ends with its tool call (TRL's rule)
                 completions[i].extend(messages)
                 continued.append(i)
@@ -168,9 +163,7 @@ class CompletionsMixin:
             if not continued:
                 break
             room = [budget - (len(c) - len(prompt_ids[i])) for i, c in zip(continued, contexts, strict=True)]
-            new_tokens = max(room)
-            if context_length is not None:
-                new_tokens = min(new_tokens, context_length - max(len(c) for c in contexts))
+            new_tokens = min(max(room), context_length - max(len(c) for c in contexts))
             turns = self.generate(contexts, do_sample=do_sample, max_new_tokens=max(new_tokens, 1)).completion_ids_list
             active = []
             for i, context, ids, limit in zip(continued, contexts, turns, room, strict=True):

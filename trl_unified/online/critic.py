@@ -31,9 +31,7 @@ VALUE_WEIGHTS = "value_model.pt"
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
     """Mean of `values` where `mask` is 1 (over `axis`, or all entries)."""
-    if axis is not None:
-        return (values * mask).sum(axis) / mask.sum(axis)
-    return (values * mask).sum() / mask.sum()
+    return (values * mask).sum(axis) / mask.sum(axis)
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
@@ -81,9 +79,7 @@ def kl_per_token(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str) -
 def score_positions(completion_mask: torch.Tensor) -> torch.Tensor:
     """`(B,)` where each row's score is added: one position after its last completion token, or the last token
     itself when the completion fills the width (TRL's PPO)."""
-    last = completion_mask.sum(1) - 1  # (B,); -1 for an empty completion
-    after = last + 1
-    return torch.where(after < completion_mask.size(1), after, last).clamp(min=0)
+    return completion_mask.sum(1).clamp(max=completion_mask.size(1) - 1).clamp(min=0)
 
 
 def value_mask(completion_mask: torch.Tensor) -> torch.Tensor:

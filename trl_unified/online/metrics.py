@@ -20,18 +20,14 @@ class OnlineMetricsMixin:
             tokens = gather(out.prompt_mask.sum() + out.model_token_mask.sum()).sum().item()
             self.state.num_input_tokens_seen += tokens
         if self.tools:
-            device = lengths.device
-            calls = gather(torch.tensor([float(samples.tool_calls)], device=device)).sum()
-            failures = gather(torch.tensor([float(samples.tool_failures)], device=device)).sum()
+            calls, failures = gather(lengths.new_tensor([[samples.tool_calls, samples.tool_failures]])).sum(0)
             self.log_metric("tools/call_frequency", (calls / lengths.numel()).item())
             self.log_metric("tools/failure_frequency", (failures / calls).item() if calls > 0 else 0.0)
             # trl_unified's addition (TRL 1.16 logs no turn count): model turns per completion
             turns = [
                 sum(m.get("role") == "assistant" for m in c) if isinstance(c, list) else 1 for c in samples.completions
             ]
-            self.log_metric(
-                "tools/turns_per_completion", gather(torch.tensor(turns, device=device).float()).mean().item()
-            )
+            self.log_metric("tools/turns_per_completion", gather(lengths.new_tensor(turns)).mean().item())
         self.log_metric("num_tokens", self.state.num_input_tokens_seen)
         terminated = lengths[truncated == 0] if (truncated == 0).any() else torch.zeros(1, device=lengths.device)
         for name, values in (("", lengths), ("terminated_", terminated)):

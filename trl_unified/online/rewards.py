@@ -53,10 +53,8 @@ class RewardFunctions:
     (or ids) whose single logit, on `prompt + completion` in their own tokenizer, is the reward."""
 
     def __init__(self, reward_funcs, reward_processing_classes, reward_weights, args, extra_funcs=()):
-        if reward_funcs is None:
-            funcs = []
-        else:
-            funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        funcs = reward_funcs if reward_funcs is not None else []
+        funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
         if not funcs and not extra_funcs:
             raise ValueError(
                 "No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose environment "
@@ -120,10 +118,9 @@ class RewardFunctions:
             vocab = func.get_input_embeddings().num_embeddings
             if len(cls) > vocab:
                 raise ValueError(
-                    f"The tokenizer for reward model {self.names[i]!r} has {len(cls)} tokens "
-                    "but the model's embedding "
-                    f"has {vocab} rows: they do not belong together. Pass the reward model's own tokenizer in "
-                    "reward_processing_classes."
+                    f"The tokenizer for reward model {self.names[i]!r} has {len(cls)} tokens but the model's "
+                    f"embedding has {vocab} rows: they do not belong together. Pass the reward model's own tokenizer "
+                    "in reward_processing_classes."
                 )
             classes[i] = cls
         return classes

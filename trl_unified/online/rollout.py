@@ -137,8 +137,6 @@ class RolloutBatch(TensorBatch):
     def shuffled(self, group_size: int = 1) -> "RolloutBatch":
         """The rows in a random order; with `group_size` > 1, whole groups of that many contiguous rows are
         shuffled, each group's rows kept together and in order (online DPO's pairs)."""
-        if group_size == 1:
-            return self.select(torch.randperm(len(self)))
         order = torch.randperm(len(self) // group_size)
         return self.select((order[:, None] * group_size + torch.arange(group_size)).flatten())
 

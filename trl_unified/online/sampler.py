@@ -40,9 +40,8 @@ class RepeatSampler(Sampler):
             self.generator.manual_seed(seed)
 
     def __iter__(self) -> Iterator[int]:
-        order = list(range(self.num_samples))
-        if self.shuffle:
-            order = torch.randperm(self.num_samples, generator=self.generator).tolist()
+        n = self.num_samples
+        order = torch.randperm(n, generator=self.generator).tolist() if self.shuffle else list(range(n))
         for start in range(0, len(order) - self.batch_size + 1, self.batch_size):
             yield from _repeated(order[start : start + self.batch_size], self.mini_repeat_count, self.repeat_count)
 

@@ -180,11 +180,9 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
 
     def build_rewards(self) -> RewardFunctions | None:
         """The reward functions (TRL's `reward_funcs`, reward models loaded and frozen, environment rewards)."""
-        reward_funcs, reward_processing_classes = self._reward_sources
+        funcs, classes = self._reward_sources
         extra = self._env.reward_funcs if self._env is not None else ()
-        rewards = RewardFunctions(
-            reward_funcs, reward_processing_classes, self.args.reward_weights, self.args, extra_funcs=extra
-        )
+        rewards = RewardFunctions(funcs, classes, self.args.reward_weights, self.args, extra_funcs=extra)
         for i, reward_model in rewards.models():
             rewards.funcs[i] = prepare_frozen_model(reward_model.requires_grad_(False), self.accelerator)
         return rewards
@@ -193,6 +191,12 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         """Correct `batch` for its sampling engine once π_old is known (default: nothing)."""
 
     def generation_options(self) -> dict[str, Any]:
+        continuous_batching = None
+        if self.args.use_transformers_continuous_batching:
+            from transformers.generation import ContinuousBatchingConfig
+
+            kwargs = self.args.transformers_continuous_batching_config or {}
+            continuous_batching = ContinuousBatchingConfig(**{"max_memory_percent": 0.5, **kwargs})  # TRL's default
         with torch.no_grad():  # generation runs without grad (and with checkpointing off)
             shared = self.uses_shared_prefix(
                 self.model,
@@ -204,33 +208,22 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
             "shared_prefix": shared,
             "gather_deepspeed3_params": self.args.ds3_gather_for_generation,
             "pad_to_multiple_of": self.args.pad_to_multiple_of,
-            "continuous_batching": self._continuous_batching_config(),
+            "continuous_batching": continuous_batching,
             "vllm": self._synced_vllm_engine(),
         }
 
     def _synced_vllm_engine(self) -> VLLMEngine | None:
         """The vLLM engine holding this trainer's current weights, synced once per optimiser step on every process
         (docs/vllm.md, "When weights are synced"); the async producer never syncs (`sync_for_round`)."""
-        if self.vllm_engine is None or (self._producer is not None and self._producer.in_producer()):
-            return self.vllm_engine
-        self.vllm_engine.ensure_synced(
-            self.model_wrapped or self.model, self.accelerator, self, self.state.global_step
-        )
-        return self.vllm_engine
+        engine = self.vllm_engine
+        if engine is not None and not (self._producer is not None and self._producer.in_producer()):
+            engine.ensure_synced(self.model_wrapped or self.model, self.accelerator, self, self.state.global_step)
+        return engine
 
     def _where(self) -> str:
         """Where training stands, for an engine's error messages: the step and the last checkpoint saved."""
         checkpoint = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
         return f", at global step {self.state.global_step}; last saved checkpoint: {checkpoint or 'none yet'}"
-
-    def _continuous_batching_config(self):
-        if not self.args.use_transformers_continuous_batching:
-            return None
-        from transformers.generation import ContinuousBatchingConfig
-
-        kwargs = dict(self.args.transformers_continuous_batching_config or {})
-        kwargs.setdefault("max_memory_percent", 0.5)  # TRL's training-aware default
-        return ContinuousBatchingConfig(**kwargs)
 
     def policy_logprobs(self, model, inputs: RolloutBatch) -> TokenLogprobs:
         """The loss forward of a policy-gradient trainer: per-token log-probs (with grad) and entropies of the
@@ -387,6 +380,8 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         batch = self.batch_class.from_samples(samples, self.args.mask_truncated_completions)
         batch.staleness = self.state.global_step - (samples.policy_version or 0) if mode == "train" else 0
         batch.num_loss_tokens = self.accelerator.gather(batch.loss_mask.sum()).sum().item()
+        n = len(batch)  # this process's rows: their place in the global generation batch
+        batch.row_index = torch.arange(n, device=batch.loss_mask.device) + self.accelerator.process_index * n
         self._log_generation_metrics(mode, samples)
         self.rollout_logps(batch, mode)
         self.correct_sampling(batch)
@@ -402,9 +397,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         )
         rewards = self.rewards.combine(rewards_per_func)  # (N_global,)
         self._log_reward_metrics(rewards_per_func, rewards)
-        n, rank = len(batch), self.accelerator.process_index
-        batch.rewards = rewards[rank * n : (rank + 1) * n]
-        batch.row_index = torch.arange(rank * n, (rank + 1) * n, device=rewards.device)
+        batch.rewards = rewards[batch.row_index]
         advantages = None
         if not self.plan.defers_advantages(mode):
             advantages = self.assign_advantages(rewards, rewards_per_func, batch, mode)
@@ -440,10 +433,8 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         input_ids, attention_mask, extra = batch.model_inputs()
         width = batch.completion_ids.size(1)
         # Image inputs are per row: one forward over the batch keeps rows and images aligned.
-        train = mode == "train"
-        chunk = (
-            None if extra else self.args.per_device_train_batch_size if train else self.args.per_device_eval_batch_size
-        )
+        a = self.args
+        chunk = None if extra else a.per_device_train_batch_size if mode == "train" else a.per_device_eval_batch_size
         with torch.no_grad():
             if self.plan.needs_old_logps(mode) and batch.old_logps is None:  # not read from sampling logits
                 batch.old_logps = self.token_logprobs(

@@ -3,13 +3,12 @@
 config): a tiny model built locally, synthetic prompts, the reward "fraction of the word `target_word`". Every flag
 of TRL's script is accepted (its parser, plus `--target_word`); the demo's defaults are `DEMO_DEFAULTS`."""
 
-import os
 from dataclasses import dataclass, field
 
 from datasets import Dataset
 from trl import TrlParser, get_peft_config
 
-from trl_unified.scripts.trl_scripts import ReportCallback, make_parser, trainer_class
+from trl_unified.scripts.trl_scripts import ReportCallback, demo_model, make_parser, trainer_class
 
 
 @dataclass
@@ -40,22 +39,13 @@ def target_fraction(word: str):
 
 
 def demo_model_and_data(training_args):
-    """A tiny model + tokenizer saved to a cache folder (so it loads by path, as a Hub id would) and synthetic prompts.
+    """A tiny model (`trl_scripts.demo_model`: loaded by path, as a Hub id), its tokenizer and synthetic prompts."""
+    from trl_unified.testing import build_tokenizer
 
-    The folder is outside output_dir: output_dir is what `--push_to_hub` uploads, and it must hold one model, the
-    trained one.
-    """
-    from trl_unified.pretrained import cache_dir
-    from trl_unified.testing import build_causal_lm, build_tokenizer, save_tiny_model
-
-    tokenizer = build_tokenizer()
-    path = os.path.join(cache_dir(), "online-demo-base-model")
-    with training_args.main_process_first(desc="build the demo model"):  # one process writes, the others read
-        if training_args.process_index == 0:
-            save_tiny_model(build_causal_lm(tokenizer, "qwen2", hidden_size=64), tokenizer, path)
+    path = demo_model(training_args, "online-demo-base-model", hidden_size=64)
     words = "b c d e f g h i j k l m n o p q r s t u v w x y z".split()
     prompts = [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(1 + i % 5)) for i in range(256)]
-    return path, tokenizer, Dataset.from_dict({"prompt": prompts}), None
+    return path, build_tokenizer(), Dataset.from_dict({"prompt": prompts}), None
 
 
 def demo_parser(name: str, prog=None) -> TrlParser:

@@ -3,13 +3,12 @@
 config): a tiny model learns to prefer completions of the words a-m over n-z; the held-out reward accuracy and margin
 are evaluated before training and at every `eval_steps`, printed and plotted (`rewards.png`)."""
 
-import os
 import random
 
 from datasets import Dataset
 from trl import get_peft_config, unpair_preference_dataset
 
-from trl_unified.scripts.trl_scripts import make_parser, report, trainer_class
+from trl_unified.scripts.trl_scripts import demo_model, make_parser, report, trainer_class
 
 
 DEMO_DEFAULTS = dict(
@@ -31,19 +30,6 @@ def toy_preferences(n: int, seed: int) -> Dataset:
     return Dataset.from_dict(rows)
 
 
-def demo_model(training_args) -> str:
-    """A tiny Qwen2-style model + word-level tokenizer, saved in the trl_unified cache (outside output_dir)."""
-    from trl_unified.pretrained import cache_dir
-    from trl_unified.testing import build_causal_lm, build_tokenizer, save_tiny_model
-
-    path = os.path.join(cache_dir(), "preference-demo-base-model")
-    with training_args.main_process_first(desc="build the demo model"):
-        if training_args.process_index == 0:
-            tokenizer = build_tokenizer()
-            save_tiny_model(build_causal_lm(tokenizer, "qwen2", hidden_size=32), tokenizer, path)
-    return path
-
-
 def demo_parser(name: str, prog=None):
     parser = make_parser(name, prog)
     parser.set_defaults(**DEMO_DEFAULTS, output_dir=f"outputs/{name}-demo")
@@ -52,13 +38,13 @@ def demo_parser(name: str, prog=None):
 
 def demo(name: str, argv: list[str]) -> None:
     _, training_args, model_args, _ = demo_parser(name).parse_args_and_config(argv)
-    cls = trainer_class(name)
+    cls, model = trainer_class(name), demo_model(training_args, "preference-demo-base-model", hidden_size=32)
     train_dataset, eval_dataset = toy_preferences(256, 0), toy_preferences(64, 1)
     if not cls.paired:  # KTO: unpaired rows, mixed so each batch holds both labels
         train_dataset = unpair_preference_dataset(train_dataset).shuffle(seed=0)
         eval_dataset = unpair_preference_dataset(eval_dataset).shuffle(seed=0)
     trainer = cls(
-        demo_model(training_args), args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+        model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
         peft_config=get_peft_config(model_args),
     )  # fmt: skip
     start = {**trainer.evaluate(), "step": 0}  # before training: the policy is the reference, margin 0

@@ -70,6 +70,20 @@ def trl_classes(name: str, trainer=None):
                 setattr(trl, key, value)
 
 
+def demo_model(training_args, name: str, hidden_size: int) -> str:
+    """The path of a tiny Qwen2-style model + word-level tokenizer that the main process saves in the trl_unified cache
+    as `name`: outside output_dir, which is what `--push_to_hub` uploads and must hold one model, the trained one."""
+    from trl_unified.pretrained import cache_dir
+    from trl_unified.testing import build_causal_lm, build_tokenizer, save_tiny_model
+
+    path = os.path.join(cache_dir(), name)
+    with training_args.main_process_first(desc="build the demo model"):  # one process writes, the others read
+        if training_args.process_index == 0:
+            tokenizer = build_tokenizer()
+            save_tiny_model(build_causal_lm(tokenizer, "qwen2", hidden_size=hidden_size), tokenizer, path)
+    return path
+
+
 def make_parser(name: str, prog: str | None = None):
     """TRL's `TrlParser` for `name`, its dataclasses holding trl_unified's config."""
     with trl_classes(name) as script:
@@ -119,12 +133,11 @@ def report(log_history: list[dict], output_dir: str, name: str) -> None:
         plot(log_history, ("reward",), os.path.join(output_dir, "reward_curve.png"), f"{name} training reward")
     if evals:
         first, last = evals[0], evals[-1]
-        if "eval_rewards/accuracies" in first:
-            accuracy = "eval_rewards/accuracies"
+        accuracy, margin = "eval_rewards/accuracies", "eval_rewards/margins"
+        if accuracy in first:
             print(f"held-out reward accuracy: {first[accuracy]:.3f} -> {last[accuracy]:.3f}")
-        print(f"held-out reward margin:   {first['eval_rewards/margins']:.3f} -> {last['eval_rewards/margins']:.3f}")
-        keys = ("eval_rewards/accuracies", "eval_rewards/margins")
-        plot(log_history, keys, os.path.join(output_dir, "rewards.png"), f"{name} on held-out pairs")
+        print(f"held-out reward margin:   {first[margin]:.3f} -> {last[margin]:.3f}")
+        plot(log_history, (accuracy, margin), os.path.join(output_dir, "rewards.png"), f"{name} on held-out pairs")
 
 
 def plot(log_history: list[dict], keys, path: str, title: str) -> None:

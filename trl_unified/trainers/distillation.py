@@ -158,9 +158,7 @@ class DistillationTrainer(OnlineTrainer):
 
     def score_rollout(self, batch: RolloutBatch, samples: Samples, mode: str) -> None:
         """No rewards and no advantages: the round is only logged."""
-        n, rank = len(batch), self.accelerator.process_index
-        batch.rewards = torch.zeros(n, device=batch.prompt_ids.device)
-        batch.row_index = torch.arange(rank * n, (rank + 1) * n, device=batch.prompt_ids.device)
+        batch.rewards = torch.zeros(len(batch), device=batch.prompt_ids.device)
         self.completion_log.add_round(
             samples.prompts, samples.completions, samples.images, None, None, [], None, self.args.log_multimodal
         )
@@ -229,8 +227,7 @@ class DistillationTrainer(OnlineTrainer):
             student, teacher = HiddenStateHead.of(model), HiddenStateHead.of(self.teacher_model)
         if student is not None and teacher is not None:
             layout = None
-            where = "distillation forward"
-            if self.uses_shared_prefix(model, where) and self.uses_shared_prefix(self.teacher_model, where):
+            if all(self.uses_shared_prefix(m, "distillation forward") for m in (model, self.teacher_model)):
                 layout = common_prefix(input_ids, attention_mask, input_ids.size(1) - width)
             # The frozen teacher first, its float32 CPU linear weights packed once for the pass (freed before the
             # student's activations exist): each product would otherwise repack its weight (generation/packed_weights)

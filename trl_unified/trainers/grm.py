@@ -125,15 +125,22 @@ class GRMTrainer(PolicyTrainerBase):
             return None
         streaming = isinstance(dataset, IterableDataset)
         columns = dataset_columns(dataset)
+        judgment_rows = {"prompt", "completion"} <= set(columns) or "messages" in columns
         if self.formatting_func is not None:
-            self._check_formatting_func(columns, args)
+            # As `trl.SFTTrainer`: a formatting function turns rows into plain text, which has no prompt to mask.
+            if args.completion_only_loss or (args.completion_only_loss is None and judgment_rows):
+                raise ValueError(
+                    "A formatting function was provided while `completion_only_loss=True`, which is incompatible. "
+                    f"The dataset has columns {columns}: GRMTrainer would train on the judgment only, but a "
+                    "formatting function turns each row into one text with no prompt to mask. Drop formatting_func "
+                    "(the prompt/completion or messages rows are used as they are), or set completion_only_loss=False "
+                    "to train on the whole formatted text."
+                )
             dataset = dataset.map(lambda row: {args.dataset_text_field: self.formatting_func(row)})
             columns = [*columns, args.dataset_text_field]
         if not streaming and len(dataset) == 0:
             raise ValueError(f"{name} dataset is empty: GRMTrainer needs at least one row.")
-        if not (
-            {"prompt", "completion"} <= set(columns) or "messages" in columns or args.dataset_text_field in columns
-        ):
+        if not (judgment_rows or args.dataset_text_field in columns):
             raise ValueError(
                 f"{name} dataset has columns {columns}, but GRMTrainer needs the judgment: 'prompt' + 'completion' "
                 "(the judgment), 'messages' (the judgment as the last assistant turn), "
@@ -150,19 +157,6 @@ class GRMTrainer(PolicyTrainerBase):
             **map_kwargs,
         )
 
-    @staticmethod
-    def _check_formatting_func(columns, args):
-        """As `trl.SFTTrainer`: a formatting function turns rows into plain text, which has no prompt to mask."""
-        judgment_rows = {"prompt", "completion"} <= set(columns) or "messages" in columns
-        if args.completion_only_loss or (args.completion_only_loss is None and judgment_rows):
-            raise ValueError(
-                "A formatting function was provided while `completion_only_loss=True`, which is incompatible. "
-                f"The dataset has columns {columns}: GRMTrainer would train on the judgment only, but a formatting "
-                "function turns each row into one text with no prompt to mask. Drop formatting_func (the "
-                "prompt/completion or messages rows are used as they are), or set completion_only_loss=False to "
-                "train on the whole formatted text."
-            )
-
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
             self._signature_columns = [*_COLUMNS, self.args.dataset_text_field]
@@ -172,12 +166,11 @@ class GRMTrainer(PolicyTrainerBase):
 
     # ------------------------------------------------------------------ loss
     def compute_policy_loss(self, model, inputs: SFTBatch, num_items_in_batch=None):
-        labels = inputs.labels
         model_inputs = inputs.model_inputs()
         ids, mask = model_inputs["input_ids"], model_inputs["attention_mask"]
         model_inputs["input_ids"] = mask_padding(ids, mask, embedding_rows(model))  # a pad beyond the table: 0
         outputs = model(**model_inputs)
-        logits, targets = outputs.logits[:, :-1, :], labels[:, 1:]  # (B, T-1, V), (B, T-1): position t predicts t+1
+        logits, targets = outputs.logits[:, :-1], inputs.labels[:, 1:]  # (B, T-1, V), (B, T-1): t predicts t+1
         nll = F.cross_entropy(
             logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100, reduction="sum"
         )

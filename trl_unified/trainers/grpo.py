@@ -82,8 +82,8 @@ class LossType:
 
     token_loss: Callable[[LossTerms], tuple[torch.Tensor, torch.Tensor | None]]
     normalise: Callable
-    log: Callable | None = None
-    check: Callable | None = None
+    log: Callable = lambda trainer, stat, terms: None
+    check: Callable = lambda config: None
     folds_sampling_correction: bool = False
 
 
@@ -231,8 +231,7 @@ class GRPOConfig(ImportanceSamplingConfig, OnlineConfig):
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}.")
-        if LOSSES[self.loss_type].check is not None:
-            LOSSES[self.loss_type].check(self)
+        LOSSES[self.loss_type].check(self)
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1].")
 
@@ -256,9 +255,7 @@ class GRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
         if self.args.multi_objective_aggregation == "normalize_then_sum":
             grouped = rewards_per_func.view(-1, g, rewards_per_func.size(1))  # (P, G, F)
             std = nanstd(grouped, dim=1).unsqueeze(1) if g > 1 else torch.zeros_like(grouped[:, :1])
-            normalised = ((grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (std + 1e-4)).view_as(
-                rewards_per_func
-            )
+            normalised = ((grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (std + 1e-4)).flatten(0, 1)
             summed = (normalised * self.rewards.weights.to(rewards.device)).nansum(dim=1)
             rewards = summed.masked_fill(torch.isnan(rewards), math.nan)
             std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
@@ -269,9 +266,7 @@ class GRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
                 std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
             else:  # "none" keeps the group std for the zero-std metric only
                 std = nanstd(rewards.view(-1, g), dim=1).repeat_interleave(g) if g > 1 else torch.zeros_like(rewards)
-            advantages = rewards - mean
-            if self.args.scale_rewards != "none":
-                advantages = advantages / (std + 1e-4)
+            advantages = (rewards - mean) / (std + 1e-4) if self.args.scale_rewards != "none" else rewards - mean
         self.log_zero_std_fraction(std)
         return torch.nan_to_num(advantages, nan=0.0)
 
@@ -281,10 +276,8 @@ class GRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
         t = self._loss_terms(out.logps, inputs)
         per_token_loss, stat = loss_type.token_loss(t)
         if a.off_policy_mask_threshold is not None:  # with vLLM, against its sampling log-probs (TRL)
-            behaviour = inputs.sampling_logps if inputs.sampling_logps is not None else t.old_logps
-            off_policy = self.get_off_policy_mask(
-                t.advantages, out.logps, behaviour, mask, a.off_policy_mask_threshold
-            )
+            old = inputs.sampling_logps if inputs.sampling_logps is not None else t.old_logps
+            off_policy = self.get_off_policy_mask(t.advantages, out.logps, old, mask, a.off_policy_mask_threshold)
             per_token_loss = per_token_loss * off_policy
         entropy_mask = mask  # the tokens the entropy bonus averages over
         if a.top_entropy_quantile < 1.0:
@@ -304,8 +297,7 @@ class GRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
             loss = self._entropy_bonus(loss, out.entropy, entropy_mask, accumulation, mode)
         loss = self.add_aux_loss(loss, out.aux_loss, scale=1.0 / accumulation)
         self.log_metric("entropy", self.masked_global_mean(out.entropy, mask))
-        if loss_type.log is not None:
-            loss_type.log(self, stat, t)
+        loss_type.log(self, stat, t)
         return loss
 
     def _loss_terms(self, logps, inputs: RolloutBatch) -> LossTerms:

@@ -119,9 +119,8 @@ class OnlineDPOTrainer(OnlineTrainer):
     def assign_advantages(self, rewards, rewards_per_func, batch: RolloutBatch, mode: str):
         """`batch.advantages` hold each completion's score: its reward (all-None: 0, as TRL's nansum), minus the
         missing-EOS penalty; the loss ranks each pair by them."""
-        n, rank = len(batch), self.accelerator.process_index
-        scores = rewards[rank * n : (rank + 1) * n].nan_to_num(0.0)
-        batch.advantages = scores - (self.args.missing_eos_penalty or 0.0) * batch.is_truncated.float()
+        penalty = self.args.missing_eos_penalty or 0.0
+        batch.advantages = batch.rewards.nan_to_num(0.0) - penalty * batch.is_truncated.float()
 
     def compute_policy_loss(self, model, inputs: RolloutBatch, num_items_in_batch=None):
         mask = inputs.loss_mask
@@ -134,12 +133,8 @@ class OnlineDPOTrainer(OnlineTrainer):
         h_w, h_l, ones = logps_w - ref_w, logps_l - ref_l, torch.ones_like(logps_w)
         terms = dict(h_w=h_w, h_l=h_l, s_w=h_w, s_l=h_l, delta=h_w - h_l, len_w=ones, len_l=ones)
         loss = pair_losses(terms, self.args.loss_type, self.beta, 0.0, 0.05).mean()
-        self._log_pair_metrics(scores, logps.detach(), ref, mask, h_w.detach(), h_l.detach(), logps_w, logps_l, inputs)
-        return loss
-
-    def _log_pair_metrics(self, scores, logps, ref, mask, h_w, h_l, logps_w, logps_l, inputs):
         beta, mean = self.beta, lambda x: gather(x.detach().float()).mean().item()
-        kl = (logps - ref).view(-1)  # Σ_t over each completion's tokens
+        kl = (logps.detach() - ref).view(-1)  # Σ_t over each completion's tokens
         self.log_metric("objective/scores", mean(scores))
         self.log_metric("objective/scores_margin", mean(scores.max(1).values - scores.min(1).values))
         self.log_metric("val/contain_eos_token", mean(~inputs.is_truncated))
@@ -147,9 +142,10 @@ class OnlineDPOTrainer(OnlineTrainer):
         self.log_metric("objective/non_score_reward", mean(-beta * kl))
         self.log_metric("objective/rlhf_reward", mean(scores.view(-1) - beta * kl))
         self.log_metric("objective/entropy", mean(-logps.view(-1)))
-        r_w, r_l = gather(beta * h_w), gather(beta * h_l)
+        r_w, r_l = gather(beta * h_w.detach()), gather(beta * h_l.detach())
         for name, value in (("chosen", r_w), ("rejected", r_l), ("margins", r_w - r_l), ("accuracies", r_w > r_l)):
             self.log_metric(f"rewards/{name}", value.float().mean().item())
         self.log_metric("logps/chosen", mean(logps_w))
         self.log_metric("logps/rejected", mean(logps_l))
         self.log_metric("beta", beta)
+        return loss

@@ -227,10 +227,9 @@ class PPOTrainer(CriticMixin, OnlineTrainer):
     # ------------------------------------------------------------------ per-token rewards and GAE
     def assign_advantages(self, rewards, rewards_per_func, batch: RolloutBatch, mode: str):
         args, mask, n = self.args, batch.loss_mask.float(), len(batch)
-        scores = rewards[self.accelerator.process_index * n :][:n].nan_to_num(0.0).clone()  # (B,)
         eos = get_tokenizer(self.processing_class).eos_token_id
-        has_eos = ((batch.completion_ids == eos) & batch.completion_mask.bool()).any(1)
-        scores = scores - (args.missing_eos_penalty or 0.0) * (~has_eos).float()  # TRL: penalise a missing EOS
+        eos_tokens = (batch.completion_ids == eos) & batch.completion_mask.bool()  # TRL penalises a missing EOS
+        scores = batch.rewards.nan_to_num(0.0) - (args.missing_eos_penalty or 0.0) * (~eos_tokens.any(1)).float()
         kl = kl_per_token(batch.old_logps, batch.ref_logps, args.kl_estimator) * mask  # (B, C)
         non_score = -args.kl_coef * kl
         token_rewards = non_score.clone()
@@ -244,7 +243,7 @@ class PPOTrainer(CriticMixin, OnlineTrainer):
         batch.advantages = masked_whiten(advantages, mask) * mask
         for name, value in rlhf_objective_metrics(kl, non_score, scores, batch.old_logps, mask).items():
             self.log_metric(name, self.accelerator.gather_for_metrics(value).mean().item())
-        self.log_metric("val/num_eos_tokens", ((batch.completion_ids == eos) & batch.completion_mask.bool()).sum())
+        self.log_metric("val/num_eos_tokens", eos_tokens.sum())
         if mode == "train":
             update = self._step // (args.steps_per_generation * args.num_iterations)  # this rollout, from 0
             self.log_metric("episode", (update + 1) * args.batch_size)

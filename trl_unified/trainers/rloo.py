@@ -82,9 +82,8 @@ class RLOOTrainer(OnlineTrainer):
         return RolloutPlan(not unchanged, True, defer_advantages=unchanged and self.reference_model.available)
 
     def compute_advantages(self, rewards, rewards_per_func, batch: RolloutBatch, mode: str) -> torch.Tensor:
-        kl = None
-        if batch.ref_logps is not None:
-            kl = gather(self._sequence_kl(batch.old_logps, batch.ref_logps, batch.loss_mask))
+        ref = batch.ref_logps
+        kl = gather(self._sequence_kl(batch.old_logps, ref, batch.loss_mask)) if ref is not None else None
         return self._advantages(rewards, kl, mode)
 
     def _sequence_kl(self, policy_tok, ref_tok, mask):
