@@ -183,10 +183,25 @@ class PolicyConfig(TrainingArguments):
                 "sharing: choose one (shared_prefix=None keeps prompt sharing in generation)."
             )
         super().__post_init__()
-        self._check_unimplemented_fields()
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, advice in self._unimplemented_fields.items():
+            value = getattr(self, name)
+            if value != defaults[name]:
+                raise NotImplementedError(
+                    f"{name}={value!r} is accepted for compatibility with TRL but not implemented in trl_unified. "
+                    f"Leave it at its default ({defaults[name]!r}). {advice}"
+                )
         self._check_generation_fields()
         self.pad_to_multiple_of = self._parse_pad_to_multiple_of(self.pad_to_multiple_of)
-        self._check_reference_fields()
+        if self.sync_ref_model and not self.uses_reference_model():
+            raise ValueError(
+                f"You passed `sync_ref_model=True` while {self._no_reference_reason()}: this configuration uses no "
+                "reference model, so there is nothing to sync. Set beta > 0 or sync_ref_model=False."
+            )
+        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
+            raise ValueError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1].")
+        if self.ref_model_sync_steps < 1:
+            raise ValueError(f"ref_model_sync_steps={self.ref_model_sync_steps} must be >= 1.")
 
     def uses_reference_model(self) -> bool:
         """Whether this configuration trains against a frozen reference policy (the trainer builds one iff True)."""
@@ -210,32 +225,11 @@ class PolicyConfig(TrainingArguments):
         except ValueError as e:
             raise ValueError(f"pad_to_multiple_of={value!r} must be an integer, 'auto' or None.") from e
 
-    def _check_reference_fields(self):
-        if self.sync_ref_model and not self.uses_reference_model():
-            raise ValueError(
-                f"You passed `sync_ref_model=True` while {self._no_reference_reason()}: this configuration uses no "
-                "reference model, so there is nothing to sync. Set beta > 0 or sync_ref_model=False."
-            )
-        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
-            raise ValueError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1].")
-        if self.ref_model_sync_steps < 1:
-            raise ValueError(f"ref_model_sync_steps={self.ref_model_sync_steps} must be >= 1.")
-
     def __getstate__(self):
         # The Trainer pickles its args into training_args.bin, which push_to_hub uploads: never write the token.
         state = self.__dict__.copy()
         state["hub_token"] = None
         return state
-
-    def _check_unimplemented_fields(self):
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name, advice in self._unimplemented_fields.items():
-            value = getattr(self, name)
-            if value != defaults[name]:
-                raise NotImplementedError(
-                    f"{name}={value!r} is accepted for compatibility with TRL but not implemented in trl_unified. "
-                    f"Leave it at its default ({defaults[name]!r}). {advice}"
-                )
 
     def _check_generation_fields(self):
         if self.temperature <= 0:

@@ -119,8 +119,7 @@ def token_divergence(
     `chunk_size` at a time inside `checkpoint`: only each chunk's hidden states are saved, and both chunks of logits
     (the teacher's without grad) are recomputed in the backward. The entropy carries no gradient."""
     batch, width = student_hidden.shape[:2]
-    flat_student = student_hidden.reshape(batch * width, -1)
-    flat_teacher = teacher_hidden.reshape(batch * width, -1)
+    flat_student, flat_teacher = student_hidden.reshape(batch * width, -1), teacher_hidden.reshape(batch * width, -1)
     vocabulary = student_head.weight.size(0)
     chunk_size = chunk_size or max(1, _CHUNK_ELEMENTS // max(1, vocabulary))
     if linear is not None:
@@ -132,18 +131,13 @@ def token_divergence(
         else:  # evaluation: no gradient to compute
             divergence, entropy = LinearDivergence._run(*arguments[:4], arguments[4:], False, False)[:2]
         return divergence.view(batch, width), entropy.view(batch, width)
-    divergences, entropies = [], []
+    grad, parts = torch.is_grad_enabled() and flat_student.requires_grad, []
     for start in range(0, flat_student.size(0), chunk_size):
         rows = slice(start, start + chunk_size)
         arguments = (flat_student[rows], flat_teacher[rows], student_head, teacher_head, beta, temperature,
                      tuple(student_transform), tuple(teacher_transform))  # fmt: skip
-        if torch.is_grad_enabled() and flat_student.requires_grad:
-            divergence, entropy = checkpoint(_chunk, *arguments, use_reentrant=False)
-        else:
-            divergence, entropy = _chunk(*arguments)
-        divergences.append(divergence)
-        entropies.append(entropy)
-    return torch.cat(divergences).view(batch, width), torch.cat(entropies).view(batch, width)
+        parts.append(checkpoint(_chunk, *arguments, use_reentrant=False) if grad else _chunk(*arguments))
+    return tuple(torch.cat(values).view(batch, width) for values in zip(*parts))
 
 
 class LinearDivergence(torch.autograd.Function):
@@ -160,7 +154,7 @@ class LinearDivergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, factor, teacher_factor, beta, chunk_size):
         device = hidden.device.type
-        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         ctx.options = (factor, teacher_factor, beta, max(1, min(chunk_size, _WORK_ELEMENTS // max(1, weight.size(0)))))
         divergence, entropy, grad_hidden, grad_weight = LinearDivergence._run(
             hidden, weight, teacher_hidden, teacher_weight, ctx.options, *ctx.needs_input_grad[:2]
@@ -174,8 +168,7 @@ class LinearDivergence(torch.autograd.Function):
         hidden, weight, teacher_hidden, teacher_weight, grad_hidden, grad_weight = ctx.saved_tensors
         g = grad_divergence.float()
         if ctx.needs_input_grad[1] and not bool((g == g[:1]).all()):  # weights differ by position: recompute
-            device, enabled, dtype = ctx.autocast
-            with torch.autocast(device, dtype=dtype, enabled=enabled):
+            with torch.autocast(*ctx.autocast):  # the forward's (device, dtype, enabled)
                 _, _, grad_hidden, grad_weight = LinearDivergence._run(
                     hidden, weight, teacher_hidden, teacher_weight, ctx.options, gradients=True, weight_grad=True, g=g
                 )

@@ -257,17 +257,16 @@ class LinearTokenScores(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.factor, ctx.chunk_size = factor, chunk_size
         device = hidden.device.type
-        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         ctx.set_materialize_grads(False)  # an output the loss does not use gets None: its term is skipped
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
-        device, enabled, dtype = ctx.autocast
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        with torch.autocast(device, dtype=dtype, enabled=enabled):
+        with torch.autocast(*ctx.autocast):  # the forward's (device, dtype, enabled)
             for start in range(0, hidden.size(0), ctx.chunk_size):
                 rows = slice(start, start + ctx.chunk_size)
                 g, g_entropy = (None if grad is None else grad[rows] for grad in (grad_logp, grad_entropy))

@@ -45,11 +45,8 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, chunk_size:
         `torch.Tensor`: `(B, T)` float32 log-probabilities.
     """
     chunk_size = chunk_size or max(1, _CHUNK_ELEMENTS // max(1, logits.size(1) * logits.size(2)))
-    out = []
-    for rows, idx in zip(logits.split(chunk_size), index.split(chunk_size), strict=True):
-        rows = rows.float()
-        out.append(rows.gather(-1, idx.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(rows, dim=-1))
-    return torch.cat(out)
+    chunks = zip((rows.float() for rows in logits.split(chunk_size)), index.split(chunk_size), strict=True)
+    return torch.cat([z.gather(-1, i.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1) for z, i in chunks])
 
 
 def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
@@ -58,12 +55,8 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> 
     Naive equivalent: `-(p * p.log()).sum(-1)` with `p = softmax(logits)`. `(B, T, V)` -> `(B, T)`.
     """
     chunk_size = chunk_size or max(1, _CHUNK_ELEMENTS // max(1, logits.size(1) * logits.size(2)))
-    out = []
-    for rows in logits.split(chunk_size):
-        rows = rows.float()
-        probs = torch.softmax(rows, dim=-1)
-        out.append(torch.logsumexp(rows, dim=-1) - (probs * rows).sum(-1))
-    return torch.cat(out)
+    chunks = (rows.float() for rows in logits.split(chunk_size))
+    return torch.cat([torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1) for z in chunks])
 
 
 @dataclass

@@ -14,12 +14,7 @@ from datasets import Dataset, IterableDataset
 from transformers import Trainer
 
 from ..data.batch import TensorBatch
-from ..data.datasets import (
-    check_dataset_types,
-    check_images_fit,
-    configure_iterable_loading,
-    has_iterable,
-)
+from ..data.datasets import check_dataset_types, check_images_fit, configure_iterable_loading, has_iterable
 from ..evaluation.generative import GenerativeEvalMixin
 from ..generation import build_generation_config, generate_batched, get_eos_token_ids
 from ..generation.sharing import may_share_prefix, unsupported_reason

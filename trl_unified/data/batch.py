@@ -71,6 +71,5 @@ class TensorBatch:
 def scalar_field(default=None, default_factory=None):
     """A field that is not indexed by row (a count over the batch, or tensors laid out per image patch):
     `select` keeps it as it is."""
-    if default_factory is not None:
-        return dataclasses.field(default_factory=default_factory, metadata={"per_row": False})
-    return dataclasses.field(default=default, metadata={"per_row": False})
+    kind = {"default_factory": default_factory} if default_factory is not None else {"default": default}
+    return dataclasses.field(**kind, metadata={"per_row": False})

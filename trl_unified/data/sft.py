@@ -25,8 +25,7 @@ def tokenize_sft_row(row: dict[str, Any], index: int, processing_class, args) ->
     """`input_ids` and `completion_mask` (1 on tokens that carry the loss) of one text row, truncated."""
     prompt, completion = split_prompt_completion(row, args.dataset_text_field)
     if args.assistant_only_loss and row.get("messages"):
-        tokenizer = get_tokenizer(processing_class)
-        out = tokenizer.apply_chat_template(
+        out = get_tokenizer(processing_class).apply_chat_template(
             row["messages"],
             tokenize=True,
             return_dict=True,

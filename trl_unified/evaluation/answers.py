@@ -31,19 +31,14 @@ def _extract_auto(text: str) -> str | None:
     return found if found is not None else _extract_boxed(text)
 
 
-ANSWER_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
-    "tags": _extract_tags,
-    "boxed": _extract_boxed,
-    "auto": _extract_auto,
-}
+ANSWER_EXTRACTORS = {"tags": _extract_tags, "boxed": _extract_boxed, "auto": _extract_auto}
 
 
 def normalize_answer(answer: str | None) -> str | None:
     """Lower-case, collapse whitespace and strip surrounding whitespace and a trailing period; `None` stays `None`."""
     if answer is None:
         return None
-    answer = " ".join(str(answer).split()).lower()
-    answer = answer.rstrip(".").strip()
+    answer = " ".join(str(answer).split()).lower().rstrip(".").strip()
     return answer or None
 
 

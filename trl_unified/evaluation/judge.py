@@ -24,9 +24,7 @@ PAIRWISE_TEMPLATE = (
 
 
 def _as_text(value) -> str:
-    if is_conversational_prompt(value):
-        return " ".join(str(m["content"]) for m in value)
-    return str(value)
+    return " ".join(str(m["content"]) for m in value) if is_conversational_prompt(value) else str(value)
 
 
 class GRMReward:
@@ -83,7 +81,6 @@ class GRMReward:
         if mode == "score" and not low < high:
             raise ValueError(f"low={low} must be smaller than high={high}.")
         if isinstance(judge, str):
-            processing_class = processing_class or from_pretrained_checked(AutoTokenizer, judge, "judge tokenizer")
             judge = load_model_plain(judge, what="judge model")
         self.judge = judge.eval().requires_grad_(False)
         self.processing_class = processing_class or from_pretrained_checked(
@@ -132,8 +129,7 @@ class GRMReward:
             return None
         if self.mode == "pairwise":
             return {"a": 1.0, "response a": 1.0, "b": 0.0, "response b": 0.0, "tie": 0.5}.get(answer)
-        match = re.fullmatch(r"[-+]?\d+(\.\d+)?", answer.strip())
-        if match is None:
+        if re.fullmatch(r"[-+]?\d+(\.\d+)?", answer.strip()) is None:
             return None
         score = float(answer)
         return (score - self.low) / (self.high - self.low) if self.low <= score <= self.high else None

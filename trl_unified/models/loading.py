@@ -102,10 +102,7 @@ def load_model(model_id: str, args, quantization_config=None, what: str = "polic
     if args.distributed_state.distributed_type in ("MULTI_GPU", "MULTI_CPU", "DEEPSPEED", "FSDP"):
         kwargs["device_map"] = None
     kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-    config = from_pretrained_checked(
-        AutoConfig, model_id, what, trust_remote_code=kwargs["trust_remote_code"], revision=kwargs.get("revision")
-    )
-    return from_pretrained_checked(_auto_class_for(config), model_id, what, **kwargs)
+    return load_model_plain(model_id, what, **kwargs)
 
 
 def parse_dtype(dtype):
@@ -198,8 +195,7 @@ def apply_peft(model, peft_config, args):
             use_gradient_checkpointing=bool(args.gradient_checkpointing),
             gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
         )
-    model = get_peft_model(model, peft_config)
-    return model, False
+    return get_peft_model(model, peft_config), False
 
 
 def check_liger_kernel(model, args) -> None:
@@ -264,5 +260,6 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 def load_model_plain(model_id: str, what: str = "model", **kwargs):
     """Load a model by id/path with the auto class its config calls for (no training arguments involved)."""
-    config = from_pretrained_checked(AutoConfig, model_id, what)
+    config_kwargs = {k: v for k, v in kwargs.items() if k in ("trust_remote_code", "revision")}  # the config's too
+    config = from_pretrained_checked(AutoConfig, model_id, what, **config_kwargs)
     return from_pretrained_checked(_auto_class_for(config), model_id, what, **kwargs)

@@ -97,11 +97,7 @@ def saved_without_unusable_pad(model):
     the table would stop the model from loading (`nn.Embedding` refuses such a `padding_idx`)."""
     base = base_model(model)
     rows, config = embedding_rows(base), getattr(base, "config", None)
-    configs = [
-        config,
-        config.get_text_config() if config is not None else None,
-        getattr(base, "generation_config", None),
-    ]
+    configs = [config, config and config.get_text_config(), getattr(base, "generation_config", None)]
     configs = {id(c): c for c in configs if c is not None and not in_table(getattr(c, "pad_token_id", None), rows)}
     # a composite config (Llava's) may have no pad_token_id at all
     unusable = [(c, c.pad_token_id) for c in configs.values() if getattr(c, "pad_token_id", None) is not None]

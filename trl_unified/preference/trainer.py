@@ -191,15 +191,11 @@ class PreferenceTrainer(PolicyTrainerBase):
         """Per-token log-probs `(B, L - 1)` of `sequences.input_ids[:, 1:]` under `model` (temperature 1), zeroed
         outside the completion; with `stats`, the `TokenLogprobs` too (entropy, TRL's token statistics, aux loss)."""
         width = sequences.input_ids.size(1) - 1
-        options = self._logp_options(stats)
+        options = dict(self._logp_options(stats), padding_free=self.args.padding_free)  # docs/padding_free.md
         extra = sequences.model_inputs()  # image tensors and per-token inputs of vision-language rows
-        layout = None
-        # padding_free: True packs the rows (core/packing.py) instead of sharing prompts; None (auto) packs them
-        # where prompts are not shared and padding is large; False: padded rows
-        options["padding_free"] = self.args.padding_free
         router_logits = options["output_router_logits"]
-        if not self.args.padding_free and self.uses_shared_prefix(model, "log-prob forward", extra, router_logits):
-            layout = SharedPromptLayout.build(sequences, self._pad_token_id())
+        share = not self.args.padding_free and self.uses_shared_prefix(model, "log-prob forward", extra, router_logits)
+        layout = SharedPromptLayout.build(sequences, self._pad_token_id()) if share else None
         tensors = (sequences.input_ids, sequences.attention_mask, width)
         if layout is None:
             options.update(use_cache=False, **extra)

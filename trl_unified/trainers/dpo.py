@@ -86,14 +86,12 @@ class DPOConfig(TruncationConfig, PreferenceConfig):
         self.check_truncation_mode()
         if "robust" in self.loss_type and not 0.0 <= self.label_smoothing < 0.5:
             warnings.warn(f"label_smoothing={self.label_smoothing} should be in [0, 0.5) for 'robust'.", stacklevel=2)
-        for name, value, advice in (
+        for name, value, hint in (
             ("pad_token", self.pad_token is not None, "set tokenizer.pad_token instead"),
             ("truncation_mode='keep_end'", self.truncation_mode == "keep_end", "use 'keep_start'"),
         ):
             if value:
-                warnings.warn(
-                    f"{name} is deprecated in TRL, removed in v2.0.0: {advice}.", FutureWarning, stacklevel=2
-                )
+                warnings.warn(f"{name} is deprecated in TRL, removed in v2.0.0: {hint}.", FutureWarning, stacklevel=2)
         super().__post_init__()
 
 
@@ -127,10 +125,8 @@ class DPOTrainer(PreferenceTrainer):
         mask = sequences.completion_mask[:, 1:]
         per_token, out = self.completion_logps(model, sequences, stats=True)
         logps_w, logps_l = self.sequence_logps(per_token, mask).chunk(2)
-        if inputs.ref_chosen_logps is not None:
-            ref_w, ref_l = inputs.ref_chosen_logps, inputs.ref_rejected_logps
-        else:
-            ref_w, ref_l = self.sequence_logps(self.reference_completion_logps(sequences), mask).chunk(2)
+        columns = inputs if inputs.ref_chosen_logps is not None else self.reference_columns(inputs)
+        ref_w, ref_l = columns["ref_chosen_logps"], columns["ref_rejected_logps"]
         h_w, h_l = logps_w - ref_w, logps_l - ref_l
         s_w, s_l = (f_scores(h, args.f_divergence_type, args.f_alpha_divergence_coef) for h in (h_w, h_l))
         len_w, len_l = sequences.completion_mask.sum(1).clamp(min=1).chunk(2)

@@ -89,8 +89,7 @@ class KTOTrainer(PreferenceTrainer):
                 )
 
     def prepare_dataset(self, dataset, name: str):
-        columns = set(getattr(dataset, "column_names", None) or [])
-        tokenized = dataset is not None and bool({"prompt_ids", "prompt_text"} & columns)
+        tokenized = bool({"prompt_ids", "prompt_text"} & set(getattr(dataset, "column_names", None) or []))
         dataset = super().prepare_dataset(dataset, name)
         if dataset is None or tokenized:
             return dataset
@@ -116,11 +115,9 @@ class KTOTrainer(PreferenceTrainer):
                 "learns from one side only. Add rows with the other label."
             )
             return
-        if n_d == n_u:
-            return
         d_range = (round(n_u * args.undesirable_weight / n_d, 2), round(n_u * args.undesirable_weight / n_d * 1.33, 2))
         u_range = (round(n_d * args.desirable_weight / n_u / 1.33, 2), round(n_d * args.desirable_weight / n_u, 2))
-        if not (
+        if n_d != n_u and not (
             d_range[0] <= args.desirable_weight <= d_range[1] or u_range[0] <= args.undesirable_weight <= u_range[1]
         ):
             logger.warning(
@@ -138,19 +135,14 @@ class KTOTrainer(PreferenceTrainer):
         args, beta = self.args, self.beta
         desirable = inputs.label.bool()
         if self._uses_kl():  # the KL rows share the completion rows' prompts: one prompt pass for both
-            per_token, out, kl_per_token = self.completion_logps_and_detached(
-                model, inputs.sequences, inputs.kl_sequences
-            )
+            per_token, out, kl_logps = self.completion_logps_and_detached(model, inputs.sequences, inputs.kl_sequences)
         else:
             per_token, out = self.completion_logps(model, inputs.sequences, stats=True)
-        if inputs.ref_logps is None:  # one reference forward: the completions and, for the KL term, the KL rows
-            columns = self.reference_columns(inputs)
-        else:
-            columns = {"ref_logps": inputs.ref_logps, "ref_KL_logps": inputs.ref_KL_logps}
+        columns = self.reference_columns(inputs) if inputs.ref_logps is None else inputs  # one forward, KL rows too
         logratios, gather = per_token.sum(1) - columns["ref_logps"], self.accelerator.gather_for_metrics
         kl = torch.zeros((), device=logratios.device)
         if self._uses_kl():
-            kl = gather((kl_per_token.sum(1) - columns["ref_KL_logps"]).mean().detach()).mean().clamp(min=0)
+            kl = gather((kl_logps.sum(1) - columns["ref_KL_logps"]).mean().detach()).mean().clamp(min=0)
         h_d, h_u = logratios[desirable], logratios[~desirable]
         if args.loss_type == "kto":  # Eq. 7-8
             losses_d, losses_u = 1 - F.sigmoid(beta * (h_d - kl)), 1 - F.sigmoid(beta * (kl - h_u))
