@@ -6,6 +6,8 @@ library; `save_tiny_model` writes a directory that loads back with `from_pretrai
 
 import os
 
+import numpy as np
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -75,7 +77,6 @@ def _common(tokenizer, hidden_size, num_layers):
 
 def build_causal_lm(tokenizer, arch: str = "qwen2", hidden_size: int = 32, num_layers: int = 2, seed: int = 0):
     """A randomly initialised causal LM of `arch` ("qwen2", "llama" or "qwen3")."""
-    import torch
     import transformers
 
     prefix = {"qwen2": "Qwen2", "llama": "Llama", "qwen3": "Qwen3"}[arch]
@@ -89,7 +90,6 @@ def build_causal_lm(tokenizer, arch: str = "qwen2", hidden_size: int = 32, num_l
 
 def build_sequence_classifier(tokenizer, hidden_size: int = 32, seed: int = 0):
     """A randomly initialised Llama sequence classifier with one label (a reward model)."""
-    import torch
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     torch.manual_seed(seed)
@@ -98,7 +98,6 @@ def build_sequence_classifier(tokenizer, hidden_size: int = 32, seed: int = 0):
 
 def build_encoder_decoder(tokenizer, d_model: int = 32, seed: int = 0):
     """A randomly initialised T5-style encoder-decoder."""
-    import torch
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(seed)
@@ -146,7 +145,6 @@ def build_vision_language_model(words: list[str] | None = None, seed: int = 0, v
     processor itself needs no torchvision). `video=True` adds Qwen2-VL's video processor (frames of at most 56x56,
     2 frames per temporal patch), which needs torchvision (`pip install trl_unified[vision]`).
     """
-    import torch
     from transformers import ProcessorMixin, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -213,7 +211,6 @@ def build_vision_language_model(words: list[str] | None = None, seed: int = 0, v
 
 def build_image(seed: int = 0, size: int = 56):
     """A random RGB PIL image."""
-    import numpy as np
     from PIL import Image
 
     return Image.fromarray((np.random.default_rng(seed).random((size, size, 3)) * 255).astype("uint8"))
@@ -222,8 +219,6 @@ def build_image(seed: int = 0, size: int = 56):
 def build_video(trend: str, seed: int = 0, frames: int = 4, size: int = 56):
     """`(frames, size, size, 3)` uint8 frames of a random texture that gets `"brighter"` or `"darker"` from frame to
     frame (the toy task of the video judge tests: only the order of the frames tells the answer)."""
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     texture = rng.random((size, size, 3)) * 60
     levels = rng.uniform(20, 80) + 30 * np.arange(frames)  # the same levels either way, in opposite orders

@@ -55,10 +55,8 @@ def reduce_divergence(jsd, completion_mask=None, reduction="batchmean", num_item
     """TRL's `_reduce_divergence_loss`: keep the rows of `completion_mask` (if given), then the sum divided by
     `num_items_in_batch` when given, else by the kept rows ("batchmean"; the first dimension without a mask), the
     plain sum ("sum"), the elementwise mean ("mean"), or nothing ("none")."""
-    mask = None
-    if completion_mask is not None:
-        mask = completion_mask.bool()
-        jsd = jsd[mask]
+    mask = completion_mask.bool() if completion_mask is not None else None
+    jsd = jsd[mask] if mask is not None else jsd
     if num_items_in_batch is not None:
         total = jsd.sum()
         if isinstance(num_items_in_batch, torch.Tensor):

@@ -73,7 +73,7 @@ def _sharded(weight) -> bool:
 @dataclass
 class HiddenStateHead:
     """The head of one model, applied outside its forward: `capture()` records the decoder's final hidden states
-    during a forward, `scores(...)` turns them into per-token values chunk by chunk."""
+    during a forward, `token_scores(..., head.logits)` turns them into per-token values chunk by chunk."""
 
     model: nn.Module
     decoder: nn.Module

@@ -133,6 +133,7 @@ def compute_token_logprobs(
     batch_size = batch_size or input_ids.size(0)
     padding_free = padding_free is not False and _packs(model, attention_mask, shared_prefix, position_ids,
                                                         forward_kwargs, auto=padding_free is None)  # fmt: skip
+    forward_kwargs = dict(forward_kwargs, output_router_logits=True) if output_router_logits else forward_kwargs
     input_ids = mask_padding(input_ids, attention_mask, embedding_rows(model))  # a pad beyond the table: read as 0
     head = HiddenStateHead.of(model) if from_hidden_states else None
     scoring = dict(temperature=temperature, compute_entropy=compute_entropy,
@@ -140,9 +141,7 @@ def compute_token_logprobs(
     parts, aux_losses = [], []
     for start in range(0, input_ids.size(0), batch_size):
         rows = slice(start, start + batch_size)
-        kwargs = _row_inputs(forward_kwargs, rows, input_ids.size(0), batch_size)
-        if output_router_logits:
-            kwargs["output_router_logits"] = True
+        kwargs = _row_inputs(forward_kwargs, rows, input_ids.size(0))
         positions = None if position_ids is None else position_ids[rows]
         inputs = (input_ids[rows], attention_mask[rows], logits_to_keep, shared_prefix, positions, kwargs)
         packed = _packed(model, inputs) if padding_free else None
@@ -161,13 +160,9 @@ def compute_token_logprobs(
     )
 
 
-def _row_inputs(forward_kwargs: dict, rows: slice, num_rows: int, batch_size: int) -> dict:
+def _row_inputs(kwargs: dict, rows: slice, num_rows: int) -> dict:
     """The model inputs of one batch of rows: per-row tensors sliced (image tensors of the whole batch stay whole)."""
-    if batch_size >= num_rows:
-        return dict(forward_kwargs)
-    return {
-        k: v[rows] if isinstance(v, torch.Tensor) and v.size(0) == num_rows else v for k, v in forward_kwargs.items()
-    }
+    return {k: v[rows] if isinstance(v, torch.Tensor) and v.shape[:1] == (num_rows,) else v for k, v in kwargs.items()}
 
 
 def _score_rows(model, head: HiddenStateHead | None, inputs, scoring: dict, score_padding: bool = False):
@@ -200,10 +195,9 @@ def compute_shared_logprobs(
     model, input_ids, attention_mask, logits_to_keep, detached_rows: int, position_ids=None, **options
 ) -> tuple[TokenLogprobs, torch.Tensor] | None:
     """`compute_token_logprobs(..., shared_prefix=True)` on the rows `[:B - k]`, and the log-probs `(k, C)` of the
-    `k = detached_rows` last rows without grad, each distinct prompt encoded once for both: e.g. KTO's completion
-    rows and their KL rows (same prompts; the KL term is a constant of the loss). The prompt pass is paid once, and
-    the detached rows add only a no-grad pass over their completion tokens. None (a cache that cannot be split is
-    reported once) where the prompts cannot be shared this way: the caller then runs the two passes.
+    `k = detached_rows` last rows without grad, each distinct prompt encoded once for both (KTO's completion and KL
+    rows, docs/shared_prefix.md). None (a cache that cannot be split is reported once) where the prompts cannot be
+    shared this way: the caller then runs the two passes.
 
     `options`: `temperature`, `from_hidden_states`, `compute_entropy`, `entropy_requires_grad` and `logits_stats`
     of `compute_token_logprobs`, for the rows with grad; the detached rows get log-probs only, at the same
@@ -235,11 +229,10 @@ def compute_shared_logprobs(
 
 
 def _packs(model, attention_mask: torch.Tensor, shared_prefix: bool, position_ids, forward_kwargs, auto: bool) -> bool:
-    """Whether this call packs its rows: `padding_free=True` where allowed (with shared_prefix or position_ids it
-    raises; a model or inputs that cannot be packed are reported once); auto (`padding_free=None`) where no other
-    layout is asked for, there are 2+ rows, at least `PACKING_MIN_PADDING` of the slots are padding (a packed row
-    attends each sequence on its own, which costs more than one batched attention over rows without padding), and
-    packing is allowed."""
+    """Whether this call packs its rows: `padding_free=True` where allowed (raises with shared_prefix or position_ids,
+    reports a model or inputs that cannot be packed), or auto with no other layout asked for, 2+ rows and at least
+    `PACKING_MIN_PADDING` of the slots padding (a packed row attends each sequence on its own: dearer than one
+    batched attention over rows without padding)."""
     if auto and (shared_prefix or position_ids is not None or attention_mask.size(0) < 2):
         return False
     if auto and int(attention_mask.sum()) > (1 - PACKING_MIN_PADDING) * attention_mask.numel():

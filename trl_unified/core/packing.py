@@ -109,12 +109,10 @@ def install_segmented_sdpa() -> None:
 
 
 def segmented_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
-    """transformers' sdpa attention, run on each packed sequence on its own when the call carries the sequence
-    boundaries (`cu_seq_lens_q` equal to `cu_seq_lens_k`, one packed row, queries and keys over the whole pack):
-    causal attention within `[b_i, b_{i+1})`, `Σ_i L_i²` work, the fused kernels forward and backward. Any other
-    call (no boundaries, a KV cache, continuous batching's paged keys, a position bias, a sliding window a sequence
-    is longer than, chunked attention) is passed through unchanged, to attend with transformers' mask.
-    The block-diagonal mask transformers built for the same boundaries is the same function; it is not used here."""
+    """transformers' sdpa attention, run on each packed sequence on its own when the call carries the boundaries
+    (`cu_seq_lens_q` equal to `cu_seq_lens_k`, one packed row, queries and keys over the whole pack): causal within
+    `[b_i, b_{i+1})`, `Σ_i L_i²` work, transformers' block-diagonal mask (the same function) unused. Any other call
+    is passed through unchanged (docs/padding_free.md lists them)."""
     forward = _SDPA["forward"]
     bounds_q, bounds_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     segmented = (
@@ -155,11 +153,9 @@ def packing_obstacle(model, forward_kwargs: dict) -> str | None:
 
 
 def check_packing(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bool:
-    """Whether `model` keeps packed sequences apart, checked once per model on two rows of the batch: the second
-    row's logits packed after the first must equal its logits alone, through the model's own attention and mask (no
-    sequence boundaries passed), so that the packed path is checked against the plain one (a mismatch is reported
-    and turns packing off for that model). Batches of one row need no check (nothing to keep apart) and leave the
-    model unchecked."""
+    """Whether `model` keeps packed sequences apart (docs/padding_free.md, "Guards and fallbacks"), checked once per
+    model: the second row's logits packed after the first, through the model's own attention and mask (no boundaries
+    passed), against its logits alone. Batches of one row need no check and leave the model unchecked."""
     bare = _bare(model)
     if bare in _VERIFIED or input_ids.size(0) < 2:
         return _VERIFIED.get(bare, True)

@@ -59,8 +59,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
     _tag_names: list[str] = ["trl_unified"]
     _paper: dict[str, str] | None = None
     config_class = PolicyConfig
-    # Switches of every log-prob forward, read by `token_logprobs`; the loss scale is transformers.Trainer's
-    # `loss_is_scaled_for_ga` class attribute.
+    # Switches of every log-prob forward, read by `token_logprobs` (the loss scale: Trainer's `loss_is_scaled_for_ga`).
     repeats_prompts = False
     positions_from_mask = False
 
@@ -93,7 +92,12 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         set_seed(args.seed)  # a PEFT adapter's initialisation must be reproducible
         model = self._load_policy(model, args, quantization_config)
         processing_class = load_processing_class(processing_class, model, args)
-        self._sync_special_tokens(model, processing_class)
+        tokenizer, base = get_tokenizer(processing_class), base_model(model)
+        # A pad added without resizing (TRL's PPO recipe) is masked in every forward and kept out of the configs.
+        if tokenizer.pad_token_id is None or in_table(tokenizer.pad_token_id, embedding_rows(base)):
+            base.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+            if getattr(base, "generation_config", None) is not None:
+                base.generation_config.pad_token_id = tokenizer.pad_token_id
         model, adapter_is_pretrained = apply_peft(model, peft_config, args)
         check_liger_kernel(model, args)
         prepare_peft_checkpointing(model, args)
@@ -134,9 +138,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         if data_collator is None:
             self.data_collator = self.make_data_collator() or self.data_collator
         self.aux_loss_enabled, self.router_aux_loss_coef = moe_aux_loss_setup(self.model, self.args)
-        # One seed everywhere: accelerate derives the shared shuffling from it (online trainers re-seed per process
-        # in setup()).
-        set_seed(self.args.seed)
+        set_seed(self.args.seed)  # one seed everywhere: accelerate derives the shared shuffling from it
         self.setup()
         self._check_shared_prefix_support()
         self.sync_reference_every_steps()
@@ -233,16 +235,6 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
             )
         return model
 
-    @staticmethod
-    def _sync_special_tokens(model, processing_class):
-        tokenizer = get_tokenizer(processing_class)
-        base = base_model(model)
-        if tokenizer.pad_token_id is not None and not in_table(tokenizer.pad_token_id, embedding_rows(base)):
-            return  # a pad added without resizing (TRL's PPO recipe): masked in every forward, kept out of the configs
-        base.config.get_text_config().pad_token_id = tokenizer.pad_token_id
-        if getattr(base, "generation_config", None) is not None:
-            base.generation_config.pad_token_id = tokenizer.pad_token_id
-
     # ------------------------------------------------------------------ generation and log-probs
     @property
     def generation_config(self):
@@ -298,9 +290,8 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         kwargs.setdefault("padding_free", self.args.padding_free)
         if self.positions_from_mask and not kwargs["padding_free"]:  # packed rows count positions so already
             kwargs.setdefault("position_ids", position_ids_from_mask(attention_mask))
-        share = self.repeats_prompts and "shared_prefix" not in kwargs and not kwargs["padding_free"]
-        if share:  # extra inputs (e.g. position ids) may rule it out
-            extra = {k: v for k, v in kwargs.items() if k not in _LOGPROB_OPTIONS}
+        if self.repeats_prompts and "shared_prefix" not in kwargs and not kwargs["padding_free"]:
+            extra = {k: v for k, v in kwargs.items() if k not in _LOGPROB_OPTIONS}  # e.g. position ids may rule it out
             router_logits = kwargs.get("output_router_logits", False)
             kwargs["shared_prefix"] = self.uses_shared_prefix(model, "log-prob forward", extra, router_logits)
         with self.accelerator.autocast():
@@ -361,9 +352,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
     def prediction_outputs(self, model, inputs, outputs):
         """`(logits, labels)` handed to `compute_metrics`: by default the loss forward's logits and the batch's
         labels."""
-        if outputs is None:
-            return None, None
-        return outputs.logits.detach(), inputs["labels"] if "labels" in inputs else None
+        return (outputs.logits.detach(), inputs.get("labels")) if outputs is not None else (None, None)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         """Eval loss and metrics as `Trainer.evaluate`, plus generative accuracy (see `evaluate_generations`)."""

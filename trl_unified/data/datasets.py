@@ -29,10 +29,8 @@ def pad(
         length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
     out = torch.full((len(tensors), length), padding_value, dtype=tensors[0].dtype, device=tensors[0].device)
     for i, t in enumerate(tensors):
-        if side == "left":
-            out[i, length - t.size(0) :] = t
-        else:
-            out[i, : t.size(0)] = t
+        start = length - t.size(0) if side == "left" else 0
+        out[i, start : start + t.size(0)] = t
     return out
 
 
@@ -187,8 +185,7 @@ def check_images_fit(dataset, processing_class, model) -> None:
     if videos:
         from .vision import check_videos
 
-        config = base_model(model).config
-        if getattr(config, "vision_config", None) is None:
+        if getattr(base_model(model).config, "vision_config", None) is None:
             raise ValueError(
                 f"The dataset has a video column ({videos}), but {type(model).__name__} is not a vision-language "
                 "model (no vision_config). Use a video-capable vision-language model (e.g. Qwen2-VL), or drop the "
@@ -203,8 +200,7 @@ def check_images_fit(dataset, processing_class, model) -> None:
         check_videos(dataset)
     if not any(c in names for c in IMAGE_COLUMNS):
         return
-    config = base_model(model).config
-    if getattr(config, "vision_config", None) is None:
+    if getattr(base_model(model).config, "vision_config", None) is None:
         raise ValueError(
             "The dataset appears to be vision-related (contains 'image' or 'images' keys), but the provided model "
             "does not seem to be a vision-language model. Please check your model and dataset. "

@@ -87,15 +87,11 @@ class SFTCollator:
 
     def __call__(self, rows: list[dict[str, Any]]) -> SFTBatch:
         if "input_ids" in rows[0]:
-            ids = [torch.tensor(r["input_ids"]) for r in rows]
-            masks = [torch.tensor(r["completion_mask"]) for r in rows]
-            input_ids = pad(ids, self.tokenizer.pad_token_id, "right", self.args.pad_to_multiple_of)
-            attention_mask = pad([torch.ones_like(t) for t in ids], 0, "right", self.args.pad_to_multiple_of)
-            loss_mask = pad(masks, 0, "right", self.args.pad_to_multiple_of)
+            ids, multiple = [torch.tensor(r["input_ids"]) for r in rows], self.args.pad_to_multiple_of
+            input_ids = pad(ids, self.tokenizer.pad_token_id, "right", multiple)
+            attention_mask = pad([torch.ones_like(t) for t in ids], 0, "right", multiple)
+            loss_mask = pad([torch.tensor(r["completion_mask"]) for r in rows], 0, "right", multiple)
             return SFTBatch(input_ids, attention_mask, input_ids.masked_fill(loss_mask == 0, -100))
-        return self._collate_multimodal(rows)
-
-    def _collate_multimodal(self, rows):
         kwargs = self.args.chat_template_kwargs or {}
         full_texts, prompt_texts, images, videos = [], [], [], []
         for row in rows:
@@ -123,11 +119,9 @@ class SFTCollator:
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
         # The expanded prompt length: the row's length minus its completion tokens (which hold no image or video
         # placeholder), counted by the tokenizer alone, so the images and videos are processed once.
+        count = lambda text: len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         for i, (full_text, prompt_text) in enumerate(zip(full_texts, prompt_texts, strict=True)):
-            completion_len = len(self.tokenizer(full_text, add_special_tokens=False)["input_ids"]) - len(
-                self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-            )
-            labels[i, : int(batch["attention_mask"][i].sum()) - completion_len] = -100
+            labels[i, : int(batch["attention_mask"][i].sum()) - (count(full_text) - count(prompt_text))] = -100
         if self.args.max_length is not None and batch["input_ids"].size(1) > self.args.max_length:
             raise ValueError(
                 f"A vision-language row has {batch['input_ids'].size(1)} tokens, more than max_length="

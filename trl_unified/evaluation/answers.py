@@ -36,10 +36,7 @@ ANSWER_EXTRACTORS = {"tags": _extract_tags, "boxed": _extract_boxed, "auto": _ex
 
 def normalize_answer(answer: str | None) -> str | None:
     """Lower-case, collapse whitespace and strip surrounding whitespace and a trailing period; `None` stays `None`."""
-    if answer is None:
-        return None
-    answer = " ".join(str(answer).split()).lower().rstrip(".").strip()
-    return answer or None
+    return None if answer is None else " ".join(str(answer).split()).lower().rstrip(".").strip() or None
 
 
 def extract_answer(text: str, extractor: str | Callable[[str], str | None] = "tags") -> str | None:

@@ -103,12 +103,7 @@ class GenerativeEvalMixin:
                 f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
         self.last_eval_records_path = path
         logger.warning(f"Generative evaluation: {len(records)} records written to {path}")
-        self._log_records_table(records, prefix)
-
-    def _log_records_table(self, records: list[dict], prefix: str) -> None:
-        """A sample table for W&B and TensorBoard when they are enabled (`report_to`)."""
-        report_to = self.args.report_to or []
-        sample = records[:32]
+        report_to, sample = self.args.report_to or [], records[:32]  # a sample table for W&B and TensorBoard
         if "wandb" in report_to:
             import wandb
 

@@ -104,8 +104,7 @@ class GRMReward:
 
     def _judge_prompts(self, prompts, completions, references, images=None, videos=None):
         tokenizer = get_tokenizer(self.processing_class)
-        images = images or [None] * len(prompts)
-        videos = videos or [None] * len(prompts)
+        images, videos = images or [None] * len(prompts), videos or [None] * len(prompts)
         out = []
         for prompt, completion, reference, row_images, row_videos in zip(
             prompts, completions, references, images, videos, strict=True

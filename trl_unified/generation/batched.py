@@ -96,9 +96,8 @@ def _generate_with_model(model, encoded, generation_config, options: GenerationO
             generation_config.decoder_start_token_id = m.config.decoder_start_token_id
         if options.continuous_batching is not None:
             return generate_with_continuous_batching(m, encoded, generation_config, options), [], is_encoder_decoder
-        pad_id = padding_token_id(tokenizer)
-        completions, logprobs = _generate_in_chunks(m, encoded, generation_config, options, pad_id, device)
-    return completions, logprobs, is_encoder_decoder
+        chunks = _generate_in_chunks(m, encoded, generation_config, options, padding_token_id(tokenizer), device)
+    return *chunks, is_encoder_decoder
 
 
 def _generate_with_vllm(model, encoded, generation_config, options: GenerationOptions, tokenizer, eos, device):

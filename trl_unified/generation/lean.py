@@ -141,11 +141,8 @@ def lean_generate(
         cache (`transformers.Cache`, *optional*): a KV cache holding the first `cached_length` prompt positions of
             every row (e.g. from `sharing.encode_prefix`); the prefill then runs the remaining prompt positions only.
         cached_length (`int`): how many prompt positions `cache` holds.
-        return_logprobs (`bool`): also return `(B, n)` log-probs of the chosen tokens under the model at the sampling
-            temperature, `log_softmax(logits / T)` (before top-k / top-p / min-p / repetition penalty, which only
-            choose which tokens may be sampled): the per-token log-probs a no-grad forward of the policy over prompt +
-            completion would compute, from the logits decoding computed anyway (PPO's "old" log-probs, as TRL reads
-            them from `generate`'s scores). 0 after a row has ended.
+        return_logprobs (`bool`): also return `(B, n)` log-probs of the chosen tokens, `log_softmax(logits / T)`
+            before the other processors (docs/decoding.md, "Log-probs of the sampled tokens"); 0 after a row ended.
     """
     generation_config = effective_generation_config(model, generation_config)
     batch, prompt_length = input_ids.shape
@@ -156,10 +153,8 @@ def lean_generate(
     processors = logits_processors(generation_config, attention_mask)
 
     # Preallocated: tokens and mask for prompt + every new token; each step reads a view.
-    ids = torch.empty(batch, prompt_length + new_tokens, dtype=input_ids.dtype, device=device)
-    ids[:, :prompt_length] = input_ids
-    mask = torch.ones(batch, prompt_length + new_tokens, dtype=attention_mask.dtype, device=device)
-    mask[:, :prompt_length] = attention_mask
+    ids = torch.cat([input_ids, input_ids.new_empty(batch, new_tokens)], dim=1)
+    mask = torch.cat([attention_mask, attention_mask.new_ones(batch, new_tokens)], dim=1)
     positions = generation_positions(attention_mask)
     next_position = positions[:, -1:] + 1  # (B, 1)
     unfinished = torch.ones(batch, dtype=torch.long, device=device)

@@ -87,9 +87,8 @@ class GenerationOutput:
         prompts = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]
         completions = [torch.tensor(ids, dtype=torch.long) for ids in completion_ids]
         ends = {*eos_token_ids, pad_token_id}
-        masks = None
         if tool_mask is not None:
-            masks = pad([torch.tensor(m, dtype=torch.long) for m in tool_mask], 1, "right").to(device)
+            tool_mask = pad([torch.tensor(m, dtype=torch.long) for m in tool_mask], 1, "right").to(device)
         return cls(
             prompt_ids=pad(prompts, pad_token_id, "left", pad_to_multiple_of).to(device),
             prompt_mask=pad([torch.ones_like(t) for t in prompts], 0, "left", pad_to_multiple_of).to(device),
@@ -97,7 +96,7 @@ class GenerationOutput:
             completion_mask=pad([torch.ones_like(t) for t in completions], 0, "right").to(device),
             texts=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
             is_truncated=torch.tensor([bool(ids) and ids[-1] not in ends for ids in completion_ids], device=device),
-            tool_mask=masks,
+            tool_mask=tool_mask,
         )
 
 

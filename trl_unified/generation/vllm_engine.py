@@ -54,13 +54,9 @@ def _vllm_name(name: str) -> str:
 
 
 def named_weights(model, accelerator=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """`(checkpoint name, full tensor)` for every weight of the policy, one at a time.
-
-    PEFT: the adapters are merged for the duration of the iteration, names lose `base_model.model.` and
-    `.base_layer`, and the adapter's own tensors are skipped. ZeRO-3: each parameter is gathered while it is yielded
-    (every process must iterate: gathering is collective). FSDP2: each DTensor's `full_tensor()`; FSDP1: the full
-    parameters summoned once. Buffers that are saved in checkpoints (e.g. a non-persistent rotary table is not) are
-    not needed by vLLM and are skipped."""
+    """`(checkpoint name, full tensor)` for every weight of the policy, one at a time, as docs/vllm.md ("When
+    weights are synced") lists them for PEFT, ZeRO-3 and FSDP; every process must iterate (gathering is collective).
+    Buffers are not needed by vLLM and are skipped."""
     unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
     unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
     is_peft = is_peft_model(unwrapped)
@@ -216,8 +212,7 @@ def check_vllm_config(args) -> None:
 def check_vllm_settings(args, model, accelerator) -> None:
     """What cannot work with this model and launch, named before any engine starts (the config's own rules were
     checked when it was built: `check_vllm_config`)."""
-    unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
-    config = getattr(unwrapped, "config", None)
+    config = getattr(accelerator.unwrap_model(model) if accelerator is not None else model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError("use_vllm=True needs a decoder-only policy; vLLM does not train-sync encoder-decoder models.")
     if args.vllm_weight_transfer == "nccl":
@@ -249,8 +244,7 @@ class VLLMColocateEngine(VLLMEngine):
     def __init__(self, args, model, accelerator):
         super().__init__(args, args.vllm_structured_outputs_regex, engine_generation_kwargs(args))
         unwrapped = accelerator.unwrap_model(model)
-        unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
-        base = base_model(unwrapped)
+        base = base_model(getattr(unwrapped, "_orig_mod", unwrapped))
         tp, dtype = args.vllm_tensor_parallel_size, str(next(base.parameters()).dtype).removeprefix("torch.")
         self.tp_group = None
         if tp > 1:

@@ -43,22 +43,17 @@ class VLLMServerEngine(VLLMEngine):
         self.transfer = None  # the NCCL weight-transfer group, opened at the first sync (vllm_weight_transfer="nccl")
         self._wait_until_up(args.vllm_server_timeout, "start-up")
         self.served_model = self._request("GET", "/v1/models", phase="start-up")["data"][0]["id"]
-        if accelerator.is_main_process:
-            self._check_logprobs_mode()
-
-    def _check_logprobs_mode(self) -> None:
-        """TRL's warning: log-probs before temperature (vLLM's default) bias the importance-sampling correction."""
-        try:
-            info = self._send("GET", "/server_info?config_format=json", None, 10)
-            mode = str(info["vllm_config"]["model_config"]["logprobs_mode"])
-        except Exception:  # an older server without /server_info: nothing to check
-            return
-        if "processed_logprobs" not in mode:
-            logger.warning(
-                f"The vLLM server returns {mode} log-probs; start it with `--logprobs-mode processed_logprobs` so "
-                "that they are taken after temperature, as the trainer's (the importance-sampling correction reads "
-                "them)."
-            )
+        # TRL's warning: log-probs before temperature (vLLM's default) bias the importance-sampling correction
+        with contextlib.suppress(Exception):  # an older server without /server_info: nothing to check
+            if accelerator.is_main_process:
+                info = self._send("GET", "/server_info?config_format=json", None, 10)
+                mode = str(info["vllm_config"]["model_config"]["logprobs_mode"])
+                if "processed_logprobs" not in mode:
+                    logger.warning(
+                        f"The vLLM server returns {mode} log-probs; start it with `--logprobs-mode "
+                        "processed_logprobs` so that they are taken after temperature, as the trainer's (the "
+                        "importance-sampling correction reads them)."
+                    )
 
     # ---------------------------------------------------------------------------------------------------- HTTP
     def _wait_until_up(self, timeout: float, phase: str) -> None:
@@ -132,8 +127,7 @@ class VLLMServerEngine(VLLMEngine):
         self._send("POST", "/reset_prefix_cache", None, self.args.weight_sync_timeout)
 
     def _reload_body(self) -> dict:
-        kwargs = {"weights_path": self.weights_dir, "is_checkpoint_format": True}
-        return {"method": "reload_weights", "kwargs": kwargs}
+        return {"method": "reload_weights", "kwargs": {"weights_path": self.weights_dir, "is_checkpoint_format": True}}
 
     # ---------------------------------------------------------------------------------------------------- weights
     def sync_weights(self, model, accelerator) -> None:
@@ -219,8 +213,7 @@ class VLLMServerEngine(VLLMEngine):
     def _requests(self, runs: list[tuple[list[int], int]]):
         """`(prompts, n)` per request: consecutive groups of one size together (`n` is per request), at most
         `max_inflight_tasks` completions a request when it is positive."""
-        limit = self.args.max_inflight_tasks
-        start = 0
+        limit, start = self.args.max_inflight_tasks, 0
         while start < len(runs):
             n, end = runs[start][1], start
             while end < len(runs) and runs[end][1] == n and (limit <= 0 or (end - start + 1) * n <= max(limit, n)):

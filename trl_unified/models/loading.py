@@ -73,13 +73,12 @@ def from_pretrained_checked(auto_class, model_id: str, what: str, **kwargs):
     try:
         return auto_class.from_pretrained(model_id, **kwargs)
     except (OSError, ValueError) as e:
-        if os.path.isdir(model_id):
-            hint = "The directory exists but does not hold a complete saved model (config and weights)."
-        else:
-            hint = (
-                "It is not a local directory, and the Hugging Face Hub could not resolve it (unknown id, no network, "
-                "or HF_HUB_OFFLINE=1). Pass a local path to a saved model, or a model object."
-            )
+        hint = (
+            "The directory exists but does not hold a complete saved model (config and weights)."
+            if os.path.isdir(model_id)
+            else "It is not a local directory, and the Hugging Face Hub could not resolve it (unknown id, no network, "
+            "or HF_HUB_OFFLINE=1). Pass a local path to a saved model, or a model object."
+        )
         raise ValueError(f"Could not load the {what} {model_id!r}: {e.__class__.__name__}: {e}. {hint}") from e
 
 
@@ -91,7 +90,14 @@ def load_model(model_id: str, args, quantization_config=None, what: str = "polic
     `dtype` defaults to float32 (not the checkpoint's dtype) and accepts "bfloat16", "float16", "float32" or "auto".
     """
     kwargs = dict(args.model_init_kwargs or {})
-    kwargs["dtype"] = parse_dtype(kwargs.get("dtype", "float32"))
+    dtype = kwargs["dtype"] = kwargs.get("dtype", "float32")
+    if not (dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype)):
+        if dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(
+                "Invalid `dtype` passed to the config. Expected either 'auto' or a string representing a valid "
+                f"`torch.dtype` (e.g., 'float32'), but got {dtype}."
+            )
+        kwargs["dtype"] = getattr(torch, dtype)
     if quantization_config is not None:
         if "quantization_config" in kwargs:
             raise ValueError(
@@ -103,18 +109,6 @@ def load_model(model_id: str, args, quantization_config=None, what: str = "polic
         kwargs["device_map"] = None
     kwargs.setdefault("trust_remote_code", args.trust_remote_code)
     return load_model_plain(model_id, what, **kwargs)
-
-
-def parse_dtype(dtype):
-    """A `dtype` for `from_pretrained`: a `torch.dtype`, "auto", None, or the name of a floating dtype."""
-    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and dtype in ("bfloat16", "float16", "float32"):
-        return getattr(torch, dtype)
-    raise ValueError(
-        "Invalid `dtype` passed to the config. Expected either 'auto' or a string representing a valid "
-        f"`torch.dtype` (e.g., 'float32'), but got {dtype}."
-    )
 
 
 def load_processing_class(processing_class, model, args):

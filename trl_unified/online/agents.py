@@ -149,10 +149,8 @@ def _environment_reward(env_type: type) -> Callable:
 
 
 def prepare_tool_template(processing_class) -> str | None:
-    """Set-up for tool calling, as TRL does: the tokenizer gets a response parser if it has none (TRL's templates
-    are recognised); a template whose rendering of a conversation is not a prefix of the rendering after a tool turn
-    is replaced, for training, by TRL's training variant. Returns that training template, or None to keep the
-    model's own."""
+    """Set-up for tool calling, as TRL does: a response parser for a tokenizer without one (TRL's templates are
+    recognised), and TRL's training template, returned, for one that is not prefix-preserving (None: the model's)."""
     tokenizer = get_tokenizer(processing_class)
     if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
         add_response_schema(processing_class)

@@ -36,9 +36,7 @@ class AsyncRollouts:
         self.opens_first = trainer._buffer is None  # no buffered round (start, or a resume without one)
         per_round = args.generation_batch_size // trainer.accelerator.num_processes
         self.room = threading.Semaphore(max(1, args.queue_maxsize // max(per_round, 1)))
-        self.items: queue.Queue = queue.Queue()
-        self.weights = threading.Condition()
-        self.stop = threading.Event()
+        self.items, self.weights, self.stop = queue.Queue(), threading.Condition(), threading.Event()
         self.delivered, self.queued_rounds, self.heartbeat = 0, 0, time.monotonic()
         self.thread = threading.Thread(target=self._produce, name="trl_unified-rollout-producer", daemon=True)
         self.thread.start()

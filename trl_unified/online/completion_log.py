@@ -42,8 +42,7 @@ class CompletionLog:
         if advantages is not None:
             self.add_advantages(advantages)
         # Every process must join each gather: agree on the column names first (a column may be logged on one rank).
-        names = sorted(set(gather_object(list(self._pending_extra))))
-        for name in names:
+        for name in sorted(set(gather_object(list(self._pending_extra)))):
             logs["extra"][name].extend(gather_object(self._pending_extra.get(name, [None] * len(prompts))))
         self._pending_extra.clear()
         if images is not None and log_images:

@@ -72,14 +72,9 @@ class CompletionsMixin:
             completion_ids, tool_mask, completions, calls, failures = self._run_tool_loop(
                 prompt_ids, completion_ids, completions, row_tools, do_sample, budget
             )
+        multiple, device = self.args.pad_to_multiple_of, self.accelerator.device
         out = GenerationOutput.from_token_lists(
-            prompt_ids,
-            completion_ids,
-            self.processing_class,
-            self.eos_token_ids,
-            tool_mask,
-            self.args.pad_to_multiple_of,
-            self.accelerator.device,
+            prompt_ids, completion_ids, self.processing_class, self.eos_token_ids, tool_mask, multiple, device
         )
         return SampledCompletions(out, completions, extra_fields, calls, failures)
 
@@ -131,11 +126,9 @@ class CompletionsMixin:
         ]
 
     def _run_tool_loop(self, prompt_ids, completion_ids, completions, row_tools, do_sample, budget):
-        """The multi-turn rollout of rows whose first turn was generated: execute tool calls, append the results
-        (`tool` messages: a list result is content blocks, anything else its `str`), let the model continue, until no
-        row calls a tool, `max_tool_calling_iterations` rounds ran, or the completion budget (tool-result tokens
-        included) is spent. Returns `(completion_ids, tool_mask, completions, calls, failures)`, lists extended in
-        place."""
+        """The multi-turn rollout of rows whose first turn was generated (docs/agents.md, "The rollout"; a tool's
+        list result is content blocks, anything else its `str`; `budget` counts tool-result tokens too). Returns
+        `(completion_ids, tool_mask, completions, calls, failures)`, lists extended in place."""
         tokenizer, template_kwargs = get_tokenizer(self.processing_class), dict(self.args.chat_template_kwargs or {})
         context_length = max_positions(self.accelerator.unwrap_model(self.model)) or float("inf")
         rounds = self.max_tool_calling_iterations if self.max_tool_calling_iterations is not None else float("inf")

@@ -229,9 +229,8 @@ class CriticMixin:
         check_table_covers_tokenizer(value_model, get_tokenizer(self.processing_class), "value model")
         self.value_model = value_model.to(self.args.device)
         self.value_head = attach_value_model(self.model, self.value_model)
-        # DDP's search for unused parameters (the Trainer's default without gradient checkpointing) starts from the
-        # forward's outputs, which do not contain the values: it would mark the critic unused, and again ready when
-        # its gradient arrives. Every trainable parameter gets a gradient at every step, so no search is needed.
+        # DDP's unused-parameter search (the Trainer's default without gradient checkpointing) starts from the
+        # forward's outputs, which lack the values: the critic would be marked unused, then ready again.
         if self.args.ddp_find_unused_parameters:
             raise ValueError(
                 "ddp_find_unused_parameters=True is not supported with a value model (every parameter gets a "
@@ -250,11 +249,9 @@ class CriticMixin:
         check_ids_in_table(input_ids, attention_mask, self.value_head.rows, "A rollout row", "the value model's")
         positions = position_ids_from_mask(attention_mask)
         width, chunk = batch.completion_ids.size(1), chunk or input_ids.size(0)
-        parts = []
+        rows = [slice(i, i + chunk) for i in range(0, input_ids.size(0), chunk)]
         with self.accelerator.autocast():
-            for i in range(0, input_ids.size(0), chunk):
-                rows = slice(i, i + chunk)
-                parts.append(self.value_head(input_ids[rows], attention_mask[rows], positions[rows], width))
+            parts = [self.value_head(input_ids[r], attention_mask[r], positions[r], width) for r in rows]
         return torch.cat(parts)
 
     def optimizer_steps_per_rollout(self) -> int:

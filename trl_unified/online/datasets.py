@@ -20,7 +20,12 @@ class OnlineDataMixin:
         if self._environment_factory is None or "prompt" in dataset_columns(dataset):
             require_columns(dataset, [["prompt"]], f"{name} dataset", type(self).__name__)
         if isinstance(dataset, Dataset) and "prompt" in dataset.column_names:
-            _check_prompts(dataset, name)
+            for i, prompt in enumerate(dataset["prompt"]):  # empty or missing prompts cannot be generated from
+                if prompt in (None, []) or (isinstance(prompt, str) and not prompt.strip()):
+                    raise ValueError(
+                        f"{name} dataset row {i} has prompt {prompt!r}: every row needs a non-empty prompt (a string "
+                        "or a list of messages). Filter such rows out, e.g. dataset.filter(lambda row: row['prompt'])."
+                    )
             need = self.args.generation_batch_size // self.args.num_generations
             if name == "train" and len(dataset) < need:
                 raise ValueError(
@@ -32,25 +37,20 @@ class OnlineDataMixin:
         return dataset
 
     def train(self, *args, **kwargs):
-        self._check_environment_column(self.train_dataset, "train")  # before the first rollout (TRL: in it)
+        factories, dataset = self._environment_factory, self.train_dataset
+        if isinstance(factories, dict) and isinstance(dataset, Dataset):  # before the first rollout (TRL: in it)
+            if "environment" not in dataset.column_names:
+                raise ValueError(
+                    f"environment_factory is a dict ({list(factories)}), so each row of the train dataset must name "
+                    "its environment in an `environment` column; the dataset has none."
+                )
+            unknown = sorted({str(v) for v in dataset.unique("environment")} - {str(k) for k in factories})
+            if unknown:
+                raise ValueError(
+                    f"The train dataset has `environment={unknown[0]!r}`, which is not among the environments passed "
+                    f"to `environment_factory`. Expected one of: {list(factories)}. Fix the column or add the factory."
+                )
         return super().train(*args, **kwargs)
-
-    def _check_environment_column(self, dataset, name: str) -> None:
-        """With a dict of environment factories, every row's `environment` must name one of them."""
-        factories = self._environment_factory
-        if not isinstance(factories, dict) or not isinstance(dataset, Dataset):
-            return
-        if "environment" not in dataset.column_names:
-            raise ValueError(
-                f"environment_factory is a dict ({list(factories)}), so each row of the {name} dataset must name its "
-                "environment in an `environment` column; the dataset has none."
-            )
-        unknown = sorted({str(v) for v in dataset.unique("environment")} - {str(k) for k in factories})
-        if unknown:
-            raise ValueError(
-                f"The {name} dataset has `environment={unknown[0]!r}`, which is not among the environments passed to "
-                f"`environment_factory`. Expected one of: {list(factories)}. Fix the column or add the factory."
-            )
 
     def _environment_owned_dataset(self) -> Dataset:
         """Without a train_dataset, the environment owns the data: `reset()` supplies each prompt (TRL's rule)."""
@@ -146,17 +146,3 @@ class OnlineDataMixin:
             )
         finally:
             self.args.dataloader_num_workers = workers
-
-
-def _check_prompts(dataset: Dataset, name: str) -> None:
-    """Empty or missing prompts cannot be generated from: name the first such row."""
-    for i, prompt in enumerate(dataset["prompt"]):
-        if (
-            prompt is None
-            or (isinstance(prompt, str) and not prompt.strip())
-            or (isinstance(prompt, list) and not prompt)
-        ):
-            raise ValueError(
-                f"{name} dataset row {i} has prompt {prompt!r}: every row needs a non-empty prompt (a string or a "
-                "list of messages). Filter such rows out, e.g. dataset.filter(lambda row: row['prompt'])."
-            )

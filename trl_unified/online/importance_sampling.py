@@ -79,7 +79,6 @@ class ImportanceSamplingMixin:
         return self.vllm_engine is not None and self.args.vllm_importance_sampling_correction
 
     def rollout_plan(self) -> RolloutPlan:
-        # TRL: the correction compares π_old with vLLM's log-probs, in both modes
         return RolloutPlan(True, True) if self.corrects_sampling else super().rollout_plan()
 
     def correct_sampling(self, batch: RolloutBatch) -> None:
@@ -94,14 +93,13 @@ class ImportanceSamplingMixin:
         low, high = a.vllm_importance_sampling_clip_min, a.vllm_importance_sampling_clip_max
         ratio = importance_sampling_ratio(batch.old_logps, batch.sampling_logps, mask, mode, low, high)
         batch.importance_sampling_ratio = ratio
-        stats = mismatch_metrics(batch.old_logps, batch.sampling_logps, mask, ratio, mode)
-        for name, value in stats.items():
+        for name, value in mismatch_metrics(batch.old_logps, batch.sampling_logps, mask, ratio, mode).items():
             values = gather(value.reshape(1))
             reduce = torch.max if name.endswith("max") else torch.min if name.endswith("min") else torch.mean
             self.log_metric(name, reduce(values[~torch.isnan(values)]).item() if values.numel() else 0.0)
-        if self.args.async_rollouts:  # the correction split by how old the sampling weights were
+        if a.async_rollouts:  # the correction split by how old the sampling weights were
             name = f"sampling/importance_sampling_ratio/staleness_{batch.staleness}"
-            self.log_metric(name, self.masked_global_mean(batch.importance_sampling_ratio, mask))
+            self.log_metric(name, self.masked_global_mean(ratio, mask))
 
 
 def importance_sampling_ratio(

@@ -17,8 +17,7 @@ class OnlineMetricsMixin:
         lengths = gather(out.model_token_mask.sum(1).float())
         truncated = gather(out.is_truncated.float())
         if mode == "train":
-            tokens = gather(out.prompt_mask.sum() + out.model_token_mask.sum()).sum().item()
-            self.state.num_input_tokens_seen += tokens
+            self.state.num_input_tokens_seen += gather(out.prompt_mask.sum() + out.model_token_mask.sum()).sum().item()
         if self.tools:
             calls, failures = gather(lengths.new_tensor([[samples.tool_calls, samples.tool_failures]])).sum(0)
             self.log_metric("tools/call_frequency", (calls / lengths.numel()).item())
@@ -64,14 +63,11 @@ class OnlineMetricsMixin:
         advantages = advantages.view(ratio.size(0), -1)
         low_clip = ((ratio < low) & (advantages < 0)).float()
         high_clip = ((ratio > high) & (advantages > 0)).float()
-        per_sequence = (
-            (lambda x: x.squeeze(1)) if ratio.size(1) == 1 else (lambda x: (x * mask).sum(-1) / mask.sum(-1))
-        )
         self.log_metric("clip_ratio/low_mean", self.masked_global_mean(low_clip, mask))
         self.log_metric("clip_ratio/high_mean", self.masked_global_mean(high_clip, mask))
         self.log_metric("clip_ratio/region_mean", self.masked_global_mean(((low_clip + high_clip) > 0).float(), mask))
         for name, values, reduce in (("low_min", low_clip, torch.min), ("high_max", high_clip, torch.max)):
-            gathered = gather(per_sequence(values))
+            gathered = gather(values.squeeze(1) if ratio.size(1) == 1 else (values * mask).sum(-1) / mask.sum(-1))
             gathered = gathered[~torch.isnan(gathered)]
             self.log_metric(f"clip_ratio/{name}", reduce(gathered).item() if gathered.numel() else float("nan"))
 
@@ -80,8 +76,7 @@ def high_entropy_mask(accelerator, entropies: torch.Tensor, mask: torch.Tensor, 
     """Tokens whose entropy is at least the `threshold` quantile (`1 - top_entropy_quantile`) of all processes'
     unmasked token entropies (Beyond the 80/20 Rule, arXiv:2506.01939). `(B, C)` bool."""
     local = entropies[mask.bool()].float()
-    padded = accelerator.pad_across_processes(local, dim=0, pad_index=-1e9)  # entropies are >= 0
-    values = accelerator.gather(padded)
+    values = accelerator.gather(accelerator.pad_across_processes(local, dim=0, pad_index=-1e9))  # entropies are >= 0
     values = values[values != -1e9]
     if values.numel() == 0:
         return torch.zeros_like(entropies, dtype=torch.bool)

@@ -74,11 +74,10 @@ class RewardFunctions:
                 f"({self.names}). Give one weight per reward function."
             )
         weights = list(reward_weights) if reward_weights is not None else [1.0] * len(funcs)
-        for name, func in extra_funcs:  # e.g. environment-owned rewards: weight 1, named after their source
-            self.funcs.append(func)
-            self.names.append(name)
-            self.processing_classes.append(None)
-            weights.append(1.0)
+        self.funcs += [func for _, func in extra_funcs]  # e.g. environment-owned rewards: weight 1,
+        self.names += [name for name, _ in extra_funcs]  # named after their source
+        self.processing_classes += [None] * len(extra_funcs)
+        weights += [1.0] * len(extra_funcs)
         self.weights = torch.tensor(weights, dtype=torch.float32)
         self._loop = EventLoopThread() if any(is_async_callable(f) for f in self.funcs) else None
 

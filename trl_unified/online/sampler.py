@@ -34,8 +34,7 @@ class RepeatSampler(Sampler):
     ):
         self.num_samples = len(data_source)
         self.mini_repeat_count, self.batch_size, self.repeat_count = mini_repeat_count, batch_size, repeat_count
-        self.shuffle = shuffle
-        self.generator = torch.Generator()
+        self.shuffle, self.generator = shuffle, torch.Generator()
         if seed is not None:
             self.generator.manual_seed(seed)
 

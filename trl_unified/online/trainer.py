@@ -101,24 +101,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
             cast_lm_head_to_fp32(self.model)
             if self.reference_model.kind == "copy":
                 cast_lm_head_to_fp32(self.accelerator.unwrap_model(self.reference_model.model))
-        self._setup_agents()
-        self.rewards = self.build_rewards()
-        self._check_prompt_lengths()
-        self.use_vllm, self.vllm_mode = self.args.use_vllm, self.args.vllm_mode  # TRL's attributes
-        self.vllm_engine = None  # vLLM: one engine for training, evaluation and the tool loop (docs/vllm.md)
-        if self.args.use_vllm:
-            self.vllm_engine = VLLMEngine.from_args(self.args, self.model, self.accelerator)
-            self.vllm_engine.context = self._where
-        self.plan = self.rollout_plan()
-        self._step, self._buffer, self._rollout, self._step_time = 0, None, None, 0.0
-        self._producer = None  # asynchronous rollouts: this epoch's producer (online/async_rollouts.py)
-        self.completion_log = CompletionLog(self.args.generation_batch_size)
-        # Each process samples different completions, reproducibly (the samplers have their own seeded generator).
-        set_seed(self.args.seed, device_specific=True)
-
-    def _setup_agents(self) -> None:
-        """Tools, environments and their checks (see `online/agents.py`), once, before the reward functions."""
-        for tool in self._standalone_tools:
+        for tool in self._standalone_tools:  # tools and environments (online/agents.py), before the reward functions
             check_tool(tool)
         factory = self._environment_factory
         self._env = Environments(factory, self._standalone_tools) if factory is not None else None
@@ -134,6 +117,19 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         self.chat_template = prepare_tool_template(self.processing_class) if self.tools else None
         self.max_tool_calling_iterations = self.args.max_tool_calling_iterations
         self._event_loop = EventLoopThread() if any(is_async_callable(t) for t in self.tools) else None
+        self.rewards = self.build_rewards()
+        self._check_prompt_lengths()
+        self.use_vllm, self.vllm_mode = self.args.use_vllm, self.args.vllm_mode  # TRL's attributes
+        self.vllm_engine = None  # vLLM: one engine for training, evaluation and the tool loop (docs/vllm.md)
+        if self.args.use_vllm:
+            self.vllm_engine = VLLMEngine.from_args(self.args, self.model, self.accelerator)
+            self.vllm_engine.context = self._where
+        self.plan = self.rollout_plan()
+        self._step, self._buffer, self._rollout, self._step_time = 0, None, None, 0.0
+        self._producer = None  # asynchronous rollouts: this epoch's producer (online/async_rollouts.py)
+        self.completion_log = CompletionLog(self.args.generation_batch_size)
+        # Each process samples different completions, reproducibly (the samplers have their own seeded generator).
+        set_seed(self.args.seed, device_specific=True)
 
     # ------------------------------------------------------------------ TRL's attributes (callbacks read them)
     reward_weights = property(attrgetter("rewards.weights"))
@@ -229,16 +225,9 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         """The loss forward of a policy-gradient trainer: per-token log-probs (with grad) and entropies of the
         completions of `inputs`, and the MoE load-balancing loss when it is enabled."""
         input_ids, attention_mask, extra = inputs.model_inputs()
-        return self.token_logprobs(
-            model,
-            input_ids,
-            attention_mask,
-            inputs.loss_mask.size(1),
-            compute_entropy=True,
-            entropy_requires_grad=self._entropy_bonus_enabled,
-            output_router_logits=self.aux_loss_enabled,
-            **extra,
-        )
+        grad, aux = self._entropy_bonus_enabled, self.aux_loss_enabled
+        options = dict(compute_entropy=True, entropy_requires_grad=grad, output_router_logits=aux)
+        return self.token_logprobs(model, input_ids, attention_mask, inputs.loss_mask.size(1), **options, **extra)
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
@@ -246,17 +235,10 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         """TRL's extension point for subclasses: `(per-token log-probs, entropies or None, MoE aux loss or None)` of
         the last `logits_to_keep` tokens (entropies keep their gradient when the entropy bonus is on)."""
         aux = kwargs.pop("compute_aux_loss", False)
-        out = self.token_logprobs(
-            model,
-            input_ids,
-            attention_mask,
-            logits_to_keep,
-            batch_size=batch_size,
-            compute_entropy=compute_entropy,
-            entropy_requires_grad=self._entropy_bonus_enabled,
-            output_router_logits=aux,
-            **{k: v for k, v in kwargs.items() if v is not None},
-        )
+        options = dict(batch_size=batch_size, compute_entropy=compute_entropy, output_router_logits=aux)
+        options["entropy_requires_grad"] = self._entropy_bonus_enabled
+        extra = {k: v for k, v in kwargs.items() if v is not None}
+        out = self.token_logprobs(model, input_ids, attention_mask, logits_to_keep, **options, **extra)
         return out.logps, out.entropy, out.aux_loss
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
@@ -431,9 +413,8 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         """Old (as the plan says, where sampling did not return them) and reference per-token log-probs, no grad,
         in micro-batches."""
         input_ids, attention_mask, extra = batch.model_inputs()
-        width = batch.completion_ids.size(1)
+        width, a = batch.completion_ids.size(1), self.args
         # Image inputs are per row: one forward over the batch keeps rows and images aligned.
-        a = self.args
         chunk = None if extra else a.per_device_train_batch_size if mode == "train" else a.per_device_eval_batch_size
         with torch.no_grad():
             if self.plan.needs_old_logps(mode) and batch.old_logps is None:  # not read from sampling logits

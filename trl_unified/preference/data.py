@@ -100,19 +100,16 @@ def prepare_preference_dataset(dataset, processing_class, args, name: str, paire
     if not paired and "chosen" in first:
         dataset = unpair_preference_dataset(dataset, **map_kwargs)
     keys = ("chosen", "rejected") if paired else ("completion",)
+    fn_kwargs = {"processing_class": processing_class, "keys": keys}
     if {"images", "image", "videos", "video"} & first.keys():  # media stay in the rows; the collator processes them
-        return dataset.map(
-            split_completions_with_images, fn_kwargs={"processing_class": processing_class, "keys": keys}, **map_kwargs
-        )
+        return dataset.map(split_completions_with_images, fn_kwargs=fn_kwargs, **map_kwargs)
     if not is_conversational(next(iter(dataset))):
 
         def add_eos(row):
             return {key: row[key] if row[key].endswith(eos_token) else row[key] + eos_token for key in keys}
 
         dataset = dataset.map(add_eos, **map_kwargs)
-    dataset = dataset.map(
-        split_completions, fn_kwargs={"processing_class": processing_class, "keys": keys}, **map_kwargs
-    )
+    dataset = dataset.map(split_completions, fn_kwargs=fn_kwargs, **map_kwargs)
     if args.max_length is not None and args.truncation_mode == "keep_start":
         before = len(dataset) if isinstance(dataset, Dataset) else None
         dataset = dataset.filter(lambda row: len(row["prompt_ids"]) < args.max_length, **map_kwargs)
@@ -185,11 +182,7 @@ def pack(
     def padded(rows, value):
         return pad([torch.tensor(r, dtype=torch.long) for r in rows], value, "right", pad_to_multiple_of)
 
-    return SequenceBatch(
-        input_ids=padded(ids, pad_token_id),
-        attention_mask=padded([[1] * len(r) for r in ids], 0),
-        completion_mask=padded(masks, 0),
-    )
+    return SequenceBatch(padded(ids, pad_token_id), padded([[1] * len(r) for r in ids], 0), padded(masks, 0))
 
 
 def pack_with_images(
@@ -257,10 +250,9 @@ class SharedPromptLayout:
         """`(b, C)` per-completion-token values of the layout's rows `rows` (all by default) → the original
         `(b, width)` per-token layout (zero, False, elsewhere)."""
         targets = self.targets[rows]
-        out = values.new_zeros(values.size(0), width)
         keep = targets >= 0
         index = torch.arange(values.size(0), device=values.device)[:, None].expand_as(targets)
-        return out.index_put((index[keep], targets[keep]), values[keep])
+        return values.new_zeros(values.size(0), width).index_put((index[keep], targets[keep]), values[keep])
 
 
 class _ReadsSequences:
@@ -365,10 +357,6 @@ class UnpairedCollator(_PreferenceCollator):
     def __call__(self, rows: list[dict[str, Any]]) -> UnpairedBatch:
         build = self.packer(rows)
         kl = build([row["KL_completion_ids"] for row in rows]) if "KL_completion_ids" in rows[0] else None
-        return UnpairedBatch(
-            sequences=build([row["completion_ids"] for row in rows]),
-            label=torch.tensor([bool(row["label"]) for row in rows]),
-            kl_sequences=kl,
-            ref_logps=_ref_column(rows, "ref_logps"),
-            ref_KL_logps=_ref_column(rows, "ref_KL_logps"),
-        )
+        label = torch.tensor([bool(row["label"]) for row in rows])
+        refs = (_ref_column(rows, name) for name in ("ref_logps", "ref_KL_logps"))
+        return UnpairedBatch(build([row["completion_ids"] for row in rows]), label, kl, *refs)

@@ -46,10 +46,8 @@ def pair_losses(t: dict, loss_type: str, beta: float, smoothing: float, tau: flo
     if loss_type == "sppo_hard":  # SPPO (arXiv:2405.00675), hard labels: (h_w - 1/2β)² + (h_l + 1/2β)²
         return (h_w - 0.5 / beta) ** 2 + (h_l + 0.5 / beta) ** 2
     if loss_type in ("aot", "aot_unpaired"):  # AOT (arXiv:2406.05882): sorted log-ratio distributions, smoothed
-        if loss_type == "aot":
-            a, b = torch.sort(t["logps_w"] - t["logps_l"], dim=0)[0], torch.sort(t["ref_w"] - t["ref_l"], dim=0)[0]
-        else:
-            a, b = torch.sort(h_w, dim=0)[0], torch.sort(h_l, dim=0)[0]
+        pair = (t["logps_w"] - t["logps_l"], t["ref_w"] - t["ref_l"]) if loss_type == "aot" else (h_w, h_l)
+        a, b = (torch.sort(x, dim=0)[0] for x in pair)
         return -F.logsigmoid(beta * (a - b)) * (1 - smoothing) - F.logsigmoid(-beta * (a - b)) * smoothing
     if loss_type == "apo_zero":  # APO (arXiv:2408.06266, Eq. 7): 1 - σ(βh_w) + σ(βh_l)
         return 1 - torch.sigmoid(beta * h_w) + torch.sigmoid(beta * h_l)

@@ -47,8 +47,7 @@ class PreferenceConfig(PolicyConfig):
     precompute_ref_batch_size: int | None = option(None, "Precomputation batch size (None: the per-device one).")
     beta: float = option(0.1, "β: the strength of the tie to the reference model.")
     activation_offloading: bool = option(False, "Offload activations to the CPU.")
-    # Fixed for the trainers whose TRL config lacks these fields (KTO): rows keep their start, no WPO weights.
-    # DPOConfig declares both as fields.
+    # Fixed where the TRL config lacks these fields (KTO: rows keep their start, no WPO weights); DPOConfig has both.
     truncation_mode: ClassVar[str] = "keep_start"
     use_weighting: ClassVar[bool] = False
 

@@ -171,9 +171,7 @@ class GRMTrainer(PolicyTrainerBase):
         model_inputs["input_ids"] = mask_padding(ids, mask, embedding_rows(model))  # a pad beyond the table: 0
         outputs = model(**model_inputs)
         logits, targets = outputs.logits[:, :-1], inputs.labels[:, 1:]  # (B, T-1, V), (B, T-1): t predicts t+1
-        nll = F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100, reduction="sum"
-        )
+        nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum")
         mask = targets != -100
         if num_items_in_batch is None:  # evaluation: mean over this batch's judgment tokens
             loss = nll / mask.sum().clamp(min=1)

@@ -246,7 +246,6 @@ class GRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
     def setup(self) -> None:
         super().setup()
         a = self.args
-        # Whether the entropy bonus is on (TRL's attribute): entropies then keep their gradient.
         self._entropy_bonus_enabled = a.entropy_coef != 0.0 or a.use_adaptive_entropy
         self.entropy_coef, self._last_world_entropy, self._entropy_window = a.entropy_coef, math.inf, None
 
@@ -304,22 +303,17 @@ class GRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
         """The ratio w = π_θ / π_old per token, or per sequence exp(mean_t log w_t) (GSPO), and the other terms."""
         mask = inputs.loss_mask
         old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
-        log_ratio = logps - old
+        log_ratio = used = logps - old  # (B, C)
         if self.args.importance_sampling_level == "sequence":
             used = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (B, 1)
-        else:
-            used = log_ratio  # (B, C)
-        low, high = self.args.clip_range()
-        advantages = inputs.advantages.unsqueeze(1)  # (B, 1)
+        advantages, (low, high) = inputs.advantages.unsqueeze(1), self.args.clip_range()  # advantages: (B, 1)
         return LossTerms(logps, old, log_ratio, torch.exp(used), advantages, mask, low, high, self.args, inputs)
 
     def _entropy_bonus(self, loss, entropies, mask, accumulation, mode):
         """loss - coef * mean token entropy / GA; the adaptive coef moves by entropy_coef_delta per optimiser step."""
         a = self.args
         self.log_metric("policy_loss", gather(loss.detach()).nanmean().item())
-        coef = self.entropy_coef
-        if a.use_adaptive_entropy and self._last_world_entropy > a.entropy_target:
-            coef = 0.0
+        coef = 0.0 if a.use_adaptive_entropy and self._last_world_entropy > a.entropy_target else self.entropy_coef
         loss = loss - coef * (entropies * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
         if a.use_adaptive_entropy and mode == "train":
             stats = torch.stack([(entropies * mask).sum(), mask.sum()]).detach()

@@ -80,9 +80,8 @@ class KTOTrainer(PreferenceTrainer):
         features = getattr(dataset, "features", None) or {}
         if "label" in features and "prompt_ids" not in features:
             dtype = getattr(features["label"], "dtype", None)
-            if dtype == "bool":
-                return
-            if not str(dtype).startswith(("int", "uint")) or not set(dataset.unique("label")) <= {0, 1}:
+            integer = str(dtype).startswith(("int", "uint"))
+            if dtype != "bool" and not (integer and set(dataset.unique("label")) <= {0, 1}):
                 raise ValueError(
                     f"The {name} dataset's label column has type {dtype}, but KTO needs booleans (True = desirable) "
                     "or 0/1 integers. Convert it, e.g. dataset.cast_column('label', datasets.Value('bool'))."
@@ -106,8 +105,7 @@ class KTOTrainer(PreferenceTrainer):
     def _warn_on_imbalance(self, labels: list[bool]) -> None:
         """TRL's advice (paper, Eq. 8): λ_D n_D / (λ_U n_U) should lie in [1, 4/3]."""
         args = self.args
-        n_d = sum(labels)
-        n_u = len(labels) - n_d
+        n_d, n_u = sum(labels), len(labels) - sum(labels)
         if n_d == 0 or n_u == 0:
             kind = "undesirable" if n_d == 0 else "desirable"
             logger.warning(

@@ -106,16 +106,10 @@ class PPOConfig(OnlineConfig):
         if self.model_adapter_name or self.ref_adapter_name:
             raise ValueError("model_adapter_name / ref_adapter_name: one LoRA adapter only; leave them None.")
         super().__post_init__()
-        self._layout_ppo_batches()
-
-    def uses_reference_model(self) -> bool:
-        return True  # the KL penalty and objective/kl are always computed, as TRL does
-
-    def _layout_ppo_batches(self):
-        """TRL's batch arithmetic on the online core: a rollout is `local_batch_size` = per_device_train_batch_size
-        * gradient_accumulation_steps rows per process (`steps_per_generation` micro-batches); each of
-        `num_ppo_epochs` passes (`num_iterations`) splits it into `num_mini_batches` mini-batches, one optimiser
-        step each, so `gradient_accumulation_steps` becomes the micro-batches per mini-batch."""
+        # TRL's batch arithmetic on the online core: a rollout is `local_batch_size` = per_device_train_batch_size
+        # * gradient_accumulation_steps rows per process (`steps_per_generation` micro-batches); each of
+        # `num_ppo_epochs` passes (`num_iterations`) splits it into `num_mini_batches` mini-batches, one optimiser
+        # step each, so `gradient_accumulation_steps` becomes the micro-batches per mini-batch.
         accumulation, per_device = self.gradient_accumulation_steps, self.per_device_train_batch_size
         if self.num_mini_batches < 1 or accumulation % self.num_mini_batches:
             raise ValueError(
@@ -133,6 +127,9 @@ class PPOConfig(OnlineConfig):
         self.gradient_accumulation_steps = accumulation // self.num_mini_batches
         if self.total_episodes is not None and self.max_steps <= 0:
             self.set_total_episodes(self.total_episodes)
+
+    def uses_reference_model(self) -> bool:
+        return True  # the KL penalty and objective/kl are always computed, as TRL does
 
     def set_total_episodes(self, episodes: int) -> None:
         """TRL's length of a run: `episodes` prompts, in rollouts of `batch_size`, each `num_ppo_epochs` passes of
