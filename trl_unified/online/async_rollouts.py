@@ -1,11 +1,7 @@
-"""Asynchronous rollouts: sampling runs ahead of training in a producer thread, staleness bounded at the source.
-
-With `async_rollouts=True` (vLLM server mode) a producer thread reads the Trainer's data loader ahead of it and runs
-stage one, `sample(rows)`, holding the engine's lock so that no weight reload lands inside a round; the Trainer's loop
-receives the same batches in the same order and runs stage two, `finish(samples)`, under the current weights.
-
-The consumer syncs before waiting whenever the staleness gate needs it, so the producer never waits for a sync the
-consumer does not make. The bound, faults and resuming: docs/async.md.
+"""Asynchronous rollouts (docs/async.md): a producer thread reads the Trainer's data loader ahead of it and runs stage
+one, `sample(rows)`, holding the engine's lock (no weight reload lands inside a round); the Trainer's loop receives the
+same batches in the same order and runs stage two, `finish(samples)`, under the current weights. The consumer syncs
+before waiting whenever the staleness gate needs it, so the producer never waits for a sync the consumer does not make.
 """
 
 import queue
@@ -63,7 +59,12 @@ class AsyncRollouts:
                 while not self.room.acquire(timeout=0.1):
                     if self.stop.is_set():
                         return
-                self._wait_for_weights(self.consumption_step(index) - self.trainer.args.max_staleness)
+                version = self.consumption_step(index) - self.trainer.args.max_staleness  # the weights it needs
+                with self.weights:
+                    while not self.stop.is_set() and (self.engine.version is None or self.engine.version < version):
+                        if self.engine.sync_error is not None:  # the weights it waits for will not come
+                            raise self.engine.sync_error
+                        self.weights.wait(timeout=0.1)
                 if self.stop.is_set():
                     return
                 item.backpressure_s, start = time.perf_counter() - start, time.perf_counter()
@@ -76,13 +77,6 @@ class AsyncRollouts:
             self.items.put(_END)
         except BaseException as error:  # noqa: BLE001 (raised in the Trainer's loop)
             self.items.put(error)
-
-    def _wait_for_weights(self, version: int) -> None:
-        with self.weights:
-            while not self.stop.is_set() and (self.engine.version is None or self.engine.version < version):
-                if self.engine.sync_error is not None:  # the weights it waits for will not come
-                    raise self.engine.sync_error
-                self.weights.wait(timeout=0.1)
 
     # ------------------------------------------------------------------ the consumer (the Trainer's loop)
     def __iter__(self):

@@ -26,12 +26,9 @@ _VLLM_FIELDS = (
 class OnlineConfig(PolicyConfig):
     """Fields shared by `trl.RLOOConfig` and `trl.GRPOConfig` 1.16, same names and defaults, validated once."""
 
-    # Completions per prompt the algorithm needs at least (a group baseline needs 2; a learned critic needs 1).
-    _min_num_generations: ClassVar[int] = 2
-    # Completions per unit of per_device_train_batch_size (1; online DPO: 2, TRL counting its prompts).
-    _batch_unit: ClassVar[int] = 1
-    # Fields that only matter with vLLM generation: set without it, TRL ignores them, and so do we (with a warning).
-    _vllm_only_fields: ClassVar[tuple[str, ...]] = _VLLM_FIELDS[1:]
+    _min_num_generations: ClassVar[int] = 2  # completions per prompt needed at least (group baseline: 2, critic: 1)
+    _batch_unit: ClassVar[int] = 1  # completions per per_device_train_batch_size unit (online DPO: 2, as TRL)
+    _vllm_only_fields: ClassVar[tuple[str, ...]] = _VLLM_FIELDS[1:]  # without use_vllm: ignored, as TRL (a warning)
 
     learning_rate: float = option(1e-6, "Initial AdamW learning rate.")
     remove_unused_columns: bool | None = option(False, "Keep every dataset column (extra ones reach rewards).")
@@ -91,8 +88,7 @@ class OnlineConfig(PolicyConfig):
     request_timeout: int = option(600, "Server mode: seconds a generation request may take.")
     weight_sync_timeout: int = option(1800, "Server mode: seconds a weight sync may take.")
     max_inflight_tasks: int = option(-1, "Server mode: most completions requested at once (-1: a round per request).")
-    # Asynchronous rollouts (online/async_rollouts.py, docs/async.md): trl_unified's addition to TRL's RLOO / GRPO /
-    # PPO / distillation configs; AsyncGRPOConfig turns them on with TRL 1.16's defaults.
+    # Asynchronous rollouts (docs/async.md): trl_unified's addition; AsyncGRPOConfig turns them on (TRL's defaults).
     async_rollouts: bool = option(
         False, "trl_unified only. Sample ahead of training in a producer thread (vLLM server mode), on weights at "
         "most max_staleness optimiser steps old; max_staleness=0 is synchronous training (docs/async.md)."
@@ -114,8 +110,28 @@ class OnlineConfig(PolicyConfig):
             )
             self.use_transformers_continuous_batching = True
         super().__post_init__()
-        self._check_vllm_fields()
-        self._check_async_rollouts()
+        # vLLM's fields: with use_vllm, one engine and their own rules (`check_vllm_config`; whether vLLM is installed
+        # is checked when the engine starts). Without it they change nothing: set, they are ignored (as TRL does).
+        if self.use_vllm:
+            if self.use_transformers_continuous_batching:
+                raise ValueError("Set use_vllm or use_transformers_continuous_batching, not both.")
+            check_vllm_config(self)
+        else:
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            changed = [name for name in self._vllm_only_fields if getattr(self, name) != defaults[name]]
+            if changed:
+                logger.warning(
+                    f"{', '.join(changed)} only apply to vLLM generation (use_vllm=True), which is off: ignored."
+                )
+        if self.async_rollouts and not (self.use_vllm and self.vllm_mode == "server"):
+            raise ValueError(
+                "async_rollouts=True needs a generation engine that runs beside training: use_vllm=True with "
+                "vllm_mode='server' (a vLLM server). Colocated vLLM and the in-process decode loop share the "
+                "trainer's devices and cores, so sampling ahead would only take turns with training."
+            )
+        for name, low in (("max_staleness", 0), ("weight_sync_steps", 1), ("queue_maxsize", 1)):
+            if self.async_rollouts and getattr(self, name) < low:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= {low}.")
         self._check_batch_layout()
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations={self.num_iterations} must be >= 1.")
@@ -135,35 +151,6 @@ class OnlineConfig(PolicyConfig):
 
     def _no_reference_reason(self) -> str:
         return f"`beta={self.beta}`"
-
-    def _check_vllm_fields(self):
-        """With `use_vllm=True`: one engine, and the vLLM fields' own rules (`check_vllm_config`; whether vLLM is
-        installed is checked when the trainer starts its engine: server mode needs only HTTP).
-        Without it the vLLM fields change nothing, so setting them is ignored with a warning, as TRL ignores them."""
-        if self.use_vllm:
-            if self.use_transformers_continuous_batching:
-                raise ValueError("Set use_vllm or use_transformers_continuous_batching, not both.")
-            check_vllm_config(self)
-            return
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        changed = [name for name in self._vllm_only_fields if getattr(self, name) != defaults[name]]
-        if changed:
-            logger.warning(
-                f"{', '.join(changed)} only apply to vLLM generation (use_vllm=True), which is off: ignored."
-            )
-
-    def _check_async_rollouts(self):
-        if not self.async_rollouts:
-            return
-        if not (self.use_vllm and self.vllm_mode == "server"):
-            raise ValueError(
-                "async_rollouts=True needs a generation engine that runs beside training: use_vllm=True with "
-                "vllm_mode='server' (a vLLM server). Colocated vLLM and the in-process decode loop share the "
-                "trainer's devices and cores, so sampling ahead would only take turns with training."
-            )
-        for name, low in (("max_staleness", 0), ("weight_sync_steps", 1), ("queue_maxsize", 1)):
-            if getattr(self, name) < low:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= {low}.")
 
     def _check_batch_layout(self):
         if self.auto_find_batch_size:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..core.logprobs import position_ids_from_mask  # noqa: F401 (re-exported: PPO's users import it here)
-from ..models.loading import base_model, get_tokenizer
+from ..models.loading import base_model, get_tokenizer, load_model_plain
 from ..models.token_ids import check_ids_in_table, check_table_covers_tokenizer, embedding_rows, mask_padding
 
 
@@ -86,18 +86,6 @@ def value_mask(completion_mask: torch.Tensor) -> torch.Tensor:
     """The positions whose values are trained: the completion and the position after it (where the score lands)."""
     shifted = torch.nn.functional.pad(completion_mask[:, :-1], (1, 0))
     return ((completion_mask + shifted) > 0).to(completion_mask.dtype)
-
-
-def rlhf_objective_metrics(kl, non_score, scores, logps, mask) -> dict[str, torch.Tensor]:
-    """TRL's PPO rollout metrics, this process's values: KL and non-score reward summed per sequence, the sampled
-    tokens' negative log-prob summed per sequence (`objective/entropy`), the score, and their sum (RLHF reward)."""
-    return {
-        "objective/kl": kl.sum(1).mean(),
-        "objective/entropy": (-logps * mask).sum(1).mean(),
-        "objective/non_score_reward": non_score.sum(1).mean(),
-        "objective/rlhf_reward": non_score.sum(1).mean() + scores.mean(),
-        "objective/scores": scores.mean(),
-    }
 
 
 class ValueHead:
@@ -223,8 +211,6 @@ class CriticMixin:
     def attach_critic(self, value_model) -> None:
         """Attach a value model (a classifier on the policy tokenizer's ids, or its id): `attach_value_model`."""
         if isinstance(value_model, str):
-            from ..models.loading import load_model_plain
-
             value_model = load_model_plain(value_model, what="value model", num_labels=1)
         check_table_covers_tokenizer(value_model, get_tokenizer(self.processing_class), "value model")
         self.value_model = value_model.to(self.args.device)

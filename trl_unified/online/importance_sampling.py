@@ -69,9 +69,7 @@ IMPORTANCE_SAMPLING_FIELDS = tuple(f.name for f in fields(ImportanceSamplingConf
 
 
 class ImportanceSamplingMixin:
-    """The correction as an online trainer's hooks (GRPO: mix in before `OnlineTrainer`; its config has the fields
-    of `ImportanceSamplingConfig`). With vLLM and `vllm_importance_sampling_correction` on (TRL's default), π_old is
-    computed in both modes (`rollout_plan`) and `correct_sampling` sets `batch.importance_sampling_ratio`."""
+    """The correction as an online trainer's hooks: mix in before `OnlineTrainer`, with `ImportanceSamplingConfig`."""
 
     @property
     def corrects_sampling(self) -> bool:
@@ -129,11 +127,7 @@ def mismatch_metrics(
     delta = torch.abs(old_logps - sampling_logps)
     delta = delta[mask & ~torch.isnan(delta)]
     flat = ratio.flatten() if mode.startswith("sequence") else ratio[mask]
-    zero = old_logps.new_zeros(())
-
-    def stat(values, fn):
-        return fn(values) if values.numel() else zero
-
+    stat = lambda values, fn: fn(values) if values.numel() else old_logps.new_zeros(())
     return {
         "sampling/sampling_logp_difference/mean": stat(delta, torch.mean),
         "sampling/sampling_logp_difference/max": stat(delta, torch.max),

@@ -72,17 +72,6 @@ class OnlineMetricsMixin:
             self.log_metric(f"clip_ratio/{name}", reduce(gathered).item() if gathered.numel() else float("nan"))
 
 
-def high_entropy_mask(accelerator, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Tokens whose entropy is at least the `threshold` quantile (`1 - top_entropy_quantile`) of all processes'
-    unmasked token entropies (Beyond the 80/20 Rule, arXiv:2506.01939). `(B, C)` bool."""
-    local = entropies[mask.bool()].float()
-    values = accelerator.gather(accelerator.pad_across_processes(local, dim=0, pad_index=-1e9))  # entropies are >= 0
-    values = values[values != -1e9]
-    if values.numel() == 0:
-        return torch.zeros_like(entropies, dtype=torch.bool)
-    return ((entropies * mask.float()) >= torch.quantile(values, threshold)) & mask.bool()
-
-
 def off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
     """DeepSeek-V3.2's off-policy sequence mask `(B, 1)`: drop (0) a sequence with A < 0 whose mean KL(π_old ‖ π_θ)
     = mean_t (log π_old - log π_θ) over its tokens exceeds the threshold; keep (1) the rest."""

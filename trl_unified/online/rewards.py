@@ -226,14 +226,8 @@ class TokenIdsRewardModel:
     """A sequence-classification reward model that reads the policy's own token ids (TRL's PPO `reward_model`): the
     score is its `score` head on the backbone's last hidden state at each row's last completion token (the last
     prompt token for an empty completion), with left padding skipped in the positions. No text round trip: the
-    model sees exactly the sampled ids, EOS included.
-
-    Args:
-        model (`PreTrainedModel`): an `AutoModelForSequenceClassification` with one label whose embedding table holds
-            the policy tokenizer's ids (a larger table is fine).
-        pad_token_id (`int`): the policy tokenizer's pad token (fills the batch, masked; read as 0 where the reward
-            model's table does not hold it).
-    """
+    model sees exactly the sampled ids, EOS included. `pad_token_id`: the policy tokenizer's (fills the batch, masked;
+    read as 0 where the reward model's table, which must hold the policy's ids, does not hold it; docs/ppo.md)."""
 
     def __init__(self, model, pad_token_id: int):
         self.model, self.rows = model, embedding_rows(model)

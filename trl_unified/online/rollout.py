@@ -14,23 +14,11 @@ from ..generation.output import GenerationOutput, sampled_token_mask
 @dataclass
 class Samples:
     """Stage one's output for one process's rows of a generation round (`OnlineTrainer.sample`), the input of stage
-    two (`OnlineTrainer.finish`). Sampling may run ahead of training (asynchronous rollouts queue these), so nothing
-    here depends on the weights being trained except through `policy_version`.
-
-    Fields:
-        rows: the dataset rows, with a `rollout_func`'s extra per-row fields merged in.
-        prompts: the prompts as the reward functions see them (after an environment's `reset` observation).
-        images: per-row images, or None for text rows.
-        generation: prompt and completion token ids and masks (`(B, P)`, `(B, C)`), the tool mask of multi-turn rows,
-            and `logprobs` `(B, C)`: the sampled tokens' log-probs when the engine returned them.
-        completions: the completions as the reward functions see them (texts, or lists of messages).
-        policy_version: the optimiser step of the weights that sampled them (`state.global_step` when they were
-            synced to the engine).
-        logprobs_are_policy: the sampling log-probs are the trainer's own policy's (the lean decode loop's logits,
-            π_old), not another engine's (vLLM's, which the importance-sampling correction compares with π_old).
-        tool_calls, tool_failures: this process's tool calls and failed calls (multi-turn rollouts).
-        environments: the environment instance of each row (reward functions read them), or None.
-    """
+    two (`OnlineTrainer.finish`); it may be sampled ahead of training, so nothing here depends on the trained weights
+    except `policy_version` (the optimiser step of the weights that sampled). `rows` carry a `rollout_func`'s extra
+    fields; `prompts` (after an environment's `reset`) and `completions` are as the reward functions see them;
+    `logprobs_are_policy`: `generation.logprobs` are the trained policy's own (π_old, the lean decode loop's logits),
+    not another engine's (vLLM's, which the importance-sampling correction compares with π_old)."""
 
     rows: list[dict[str, Any]]
     prompts: list

@@ -1,9 +1,6 @@
-"""The online-RL core that RLOO, GRPO, PPO and distillation share, written once: orchestration only.
-
-`OnlineTrainer` owns the generation buffer and the rollout, in two stages with a typed hand-off: `sample(rows) ->
-Samples` (prompts -> completions) and `finish(samples) -> RolloutBatch` (log-probs, rewards, metrics, advantages).
-Synchronous training runs them back to back (`rollout`); every trainer-specific decision is a hook.
-See docs/architecture.md ("The online family").
+"""The online-RL core that RLOO, GRPO, PPO and distillation share (orchestration only): the generation buffer and the
+rollout's two stages, `sample(rows) -> Samples` (prompts -> completions) and `finish(samples) -> RolloutBatch`
+(log-probs, rewards, metrics, advantages); every trainer-specific decision is a hook (docs/architecture.md).
 """
 
 import logging
@@ -128,8 +125,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         self._step, self._buffer, self._rollout, self._step_time = 0, None, None, 0.0
         self._producer = None  # asynchronous rollouts: this epoch's producer (online/async_rollouts.py)
         self.completion_log = CompletionLog(self.args.generation_batch_size)
-        # Each process samples different completions, reproducibly (the samplers have their own seeded generator).
-        set_seed(self.args.seed, device_specific=True)
+        set_seed(self.args.seed, device_specific=True)  # each process samples differently, reproducibly
 
     # ------------------------------------------------------------------ TRL's attributes (callbacks read them)
     reward_weights = property(attrgetter("rewards.weights"))
@@ -193,12 +189,10 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
 
             kwargs = self.args.transformers_continuous_batching_config or {}
             continuous_batching = ContinuousBatchingConfig(**{"max_memory_percent": 0.5, **kwargs})  # TRL's default
+        config, batching = self.make_generation_config(), self.args.use_transformers_continuous_batching
         with torch.no_grad():  # generation runs without grad (and with checkpointing off)
             shared = self.uses_shared_prefix(
-                self.model,
-                "generation",
-                generation_config=self.make_generation_config(),
-                continuous_batching=self.args.use_transformers_continuous_batching,
+                self.model, "generation", generation_config=config, continuous_batching=batching
             )
         return {
             "shared_prefix": shared,
@@ -322,9 +316,8 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        # The generation buffer and micro-step counter, so a resume continues mid-round exactly.
         folder = os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}")
-        state = {"step": self._step, "buffer": self._buffer, "rollout": self._rollout}
+        state = {"step": self._step, "buffer": self._buffer, "rollout": self._rollout}  # a resume continues mid-round
         torch.save(state, os.path.join(folder, f"trl_unified_state_{self.accelerator.process_index}.pt"))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
@@ -357,7 +350,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
 
     def finish(self, samples: Samples) -> RolloutBatch:
         """Stage two, under the current weights: the typed batch with its old / reference log-probs, the sampling
-        correction, rewards and advantages, and the round's metrics (see the module docstring)."""
+        correction, rewards and advantages, and the round's metrics."""
         mode = self.mode
         batch = self.batch_class.from_samples(samples, self.args.mask_truncated_completions)
         batch.staleness = self.state.global_step - (samples.policy_version or 0) if mode == "train" else 0
@@ -380,9 +373,8 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         rewards = self.rewards.combine(rewards_per_func)  # (N_global,)
         self._log_reward_metrics(rewards_per_func, rewards)
         batch.rewards = rewards[batch.row_index]
-        advantages = None
-        if not self.plan.defers_advantages(mode):
-            advantages = self.assign_advantages(rewards, rewards_per_func, batch, mode)
+        deferred = self.plan.defers_advantages(mode)  # then the loss computes them
+        advantages = None if deferred else self.assign_advantages(rewards, rewards_per_func, batch, mode)
         self.completion_log.add_round(
             samples.prompts, samples.completions, samples.images, rewards, rewards_per_func, self.rewards.names,
             advantages, self.args.log_multimodal,

@@ -118,8 +118,7 @@ class AsyncGRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
             **online_kwargs,
         )  # fmt: skip
 
-    # TRL's attributes
-    epsilon_low = property(lambda self: self.args.epsilon)
+    epsilon_low = property(lambda self: self.args.epsilon)  # TRL's attributes
     model_version = property(lambda self: self.vllm_engine.version or 0)
 
     epsilon_high = property(lambda s: s.args.epsilon if s.args.epsilon_high is None else s.args.epsilon_high)

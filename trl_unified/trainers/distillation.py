@@ -9,10 +9,8 @@ With M the model's completion tokens (tool-result tokens excluded) of the whole 
 
     loss = sum_{i,t in M_micro-batch} D_beta(i, t) / (|M| / processes * GA / steps_per_generation)
 
-which sums to the mean over M across one optimiser step (TRL's normalisation; no further division by GA). D is
-computed from the final hidden states in chunks of positions (no `(positions, vocabulary)` tensor beyond one chunk,
-the student's chunk recomputed in the backward). Logged: TRL's completion metrics, `entropy` (the student's, over
-M), `step_time`.
+which sums to the mean over M across one optimiser step (TRL's normalisation; no further division by GA). How D is
+computed (final hidden states, in chunks of positions) and what is logged: docs/distillation.md.
 """
 
 import json
@@ -146,25 +144,7 @@ class DistillationTrainer(OnlineTrainer):
 
     def setup(self) -> None:
         super().setup()
-        self.teacher_model = prepare_frozen_model(self._load_teacher(self._teacher_source), self.accelerator)
-        del self._teacher_source
-
-    # ------------------------------------------------------------------ the rollout: no reward, no ratio
-    def rollout_plan(self) -> RolloutPlan:
-        return RolloutPlan(False, False)  # no ratio in the loss: π_old is never read
-
-    def build_rewards(self) -> None:
-        return None  # the teacher's distributions are the signal
-
-    def score_rollout(self, batch: RolloutBatch, samples: Samples, mode: str) -> None:
-        """No rewards and no advantages: the round is only logged."""
-        batch.rewards = torch.zeros(len(batch), device=batch.prompt_ids.device)
-        self.completion_log.add_round(
-            samples.prompts, samples.completions, samples.images, None, None, [], None, self.args.log_multimodal
-        )
-
-    def _load_teacher(self, teacher):
-        args = self.args
+        args, teacher = self.args, self._teacher_source
         teacher = teacher if teacher is not None else args.teacher_model_name_or_path
         if teacher is None:
             raise ValueError(
@@ -193,7 +173,22 @@ class DistillationTrainer(OnlineTrainer):
                 "Distillation compares the teacher's full next-token distribution, which requires a shared "
                 "vocabulary. Use a teacher with the same vocab_size."
             )
-        return teacher.requires_grad_(False)
+        self.teacher_model = prepare_frozen_model(teacher.requires_grad_(False), self.accelerator)
+        del self._teacher_source
+
+    # ------------------------------------------------------------------ the rollout: no reward, no ratio
+    def rollout_plan(self) -> RolloutPlan:
+        return RolloutPlan(False, False)  # no ratio in the loss: π_old is never read
+
+    def build_rewards(self) -> None:
+        return None  # the teacher's distributions are the signal
+
+    def score_rollout(self, batch: RolloutBatch, samples: Samples, mode: str) -> None:
+        """No rewards and no advantages: the round is only logged."""
+        batch.rewards = torch.zeros(len(batch), device=batch.prompt_ids.device)
+        self.completion_log.add_round(
+            samples.prompts, samples.completions, samples.images, None, None, [], None, self.args.log_multimodal
+        )
 
     # ------------------------------------------------------------------ the loss
     def compute_policy_loss(self, model, inputs, num_items_in_batch=None):
@@ -215,12 +210,9 @@ class DistillationTrainer(OnlineTrainer):
         return loss
 
     def token_divergence(self, model, input_ids, attention_mask, width: int, mask=None):
-        """`(D, student entropy)` `(B, C)` for the last `width` tokens: both models' final hidden states
-        (`core/lm_head.py`), then `core.divergence.token_divergence` in chunks, only at the positions of `mask`
-        `(B, C)` when given (the others read 0: the loss does not read them). Where the rows' prompts begin with the
-        same tokens (a chat template's system prompt) and `args.shared_prefix` allows, both models encode those
-        tokens once for all rows (`generation.sharing.common_prefix`). Where either head cannot be applied outside
-        the forward (ZeRO-3 / FSDP shards, a compiled model), from the models' logits instead."""
+        """`(D, student entropy)` `(B, C)` of the last `width` tokens, at `mask`'s positions if given (0 elsewhere):
+        from both models' final hidden states in chunks (a common prompt prefix encoded once where `shared_prefix`
+        allows), else from their logits (ZeRO-3 / FSDP shards, a compiled model); docs/distillation.md."""
         self.teacher_model.eval()
         student = teacher = student_hidden = teacher_hidden = None
         if self.args.chunked_lm_head:

@@ -46,7 +46,7 @@ from accelerate.utils import gather
 from ..core.config import document_fields, option
 from ..online.config import OnlineConfig
 from ..online.importance_sampling import IMPORTANCE_SAMPLING_FIELDS, ImportanceSamplingConfig, ImportanceSamplingMixin
-from ..online.metrics import high_entropy_mask, off_policy_mask
+from ..online.metrics import off_policy_mask
 from ..online.rewards import nanstd
 from ..online.rollout import RolloutBatch
 from ..online.trainer import OnlineTrainer
@@ -272,7 +272,12 @@ class GRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
     def compute_policy_loss(self, model, inputs: RolloutBatch, num_items_in_batch=None):
         a, mode, mask, loss_type = self.args, self.mode, inputs.loss_mask, LOSSES[self.args.loss_type]
         out = self.policy_logprobs(model, inputs)
-        t = self._loss_terms(out.logps, inputs)
+        old = inputs.old_logps if inputs.old_logps is not None else out.logps.detach()
+        log_ratio = used = out.logps - old  # (B, C): the ratio w = π_θ / π_old per token,
+        if a.importance_sampling_level == "sequence":  # or per sequence exp(mean_t log w_t) (GSPO)
+            used = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (B, 1)
+        advantages = inputs.advantages.unsqueeze(1)  # (B, 1)
+        t = LossTerms(out.logps, old, log_ratio, torch.exp(used), advantages, mask, *a.clip_range(), a, inputs)
         per_token_loss, stat = loss_type.token_loss(t)
         if a.off_policy_mask_threshold is not None:  # with vLLM, against its sampling log-probs (TRL)
             old = inputs.sampling_logps if inputs.sampling_logps is not None else t.old_logps
@@ -299,16 +304,6 @@ class GRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
         loss_type.log(self, stat, t)
         return loss
 
-    def _loss_terms(self, logps, inputs: RolloutBatch) -> LossTerms:
-        """The ratio w = π_θ / π_old per token, or per sequence exp(mean_t log w_t) (GSPO), and the other terms."""
-        mask = inputs.loss_mask
-        old = inputs.old_logps if inputs.old_logps is not None else logps.detach()
-        log_ratio = used = logps - old  # (B, C)
-        if self.args.importance_sampling_level == "sequence":
-            used = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (B, 1)
-        advantages, (low, high) = inputs.advantages.unsqueeze(1), self.args.clip_range()  # advantages: (B, 1)
-        return LossTerms(logps, old, log_ratio, torch.exp(used), advantages, mask, low, high, self.args, inputs)
-
     def _entropy_bonus(self, loss, entropies, mask, accumulation, mode):
         """loss - coef * mean token entropy / GA; the adaptive coef moves by entropy_coef_delta per optimiser step."""
         a = self.args
@@ -330,8 +325,14 @@ class GRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
 
     # ------------------------------------------------------------------ TRL's loss helpers (public on its trainer)
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
-        """TRL's helper (see `online/metrics.py`, `high_entropy_mask`)."""
-        return high_entropy_mask(self.accelerator, entropies, mask, threshold)
+        """Tokens whose entropy is at least the `threshold` quantile (`1 - top_entropy_quantile`) of all processes'
+        unmasked token entropies (Beyond the 80/20 Rule, arXiv:2506.01939). `(B, C)` bool."""
+        local = entropies[mask.bool()].float()
+        values = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=-1e9))
+        values = values[values != -1e9]  # entropies are >= 0
+        if values.numel() == 0:
+            return torch.zeros_like(entropies, dtype=torch.bool)
+        return ((entropies * mask.float()) >= torch.quantile(values, threshold)) & mask.bool()
 
     get_off_policy_mask = staticmethod(off_policy_mask)  # TRL's helper (see `online/metrics.py`)
 

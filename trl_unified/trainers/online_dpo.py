@@ -10,10 +10,7 @@ at temperature 1: the policy itself, not its sampling distribution) and h = log 
     sigmoid (DPO):  ℓ = -log σ(β (h_w - h_l))            ipo (arXiv:2310.12036):  ℓ = (h_w - h_l - 1/(2β))²
 
 and the loss of a micro-batch of B pairs is L = 1/B Σ ℓ (the Trainer divides it by the gradient accumulation). β may
-change per epoch (`beta` as a list: its e-th entry in epoch e, the last one after). Logged as TRL: objective/scores,
-objective/scores_margin, objective/kl (Σ_t log π_θ - log π_ref per completion), objective/entropy (-Σ_t log π_θ),
-objective/non_score_reward (-β kl), objective/rlhf_reward, rewards/chosen|rejected|margins|accuracies (β h),
-logps/chosen|rejected, val/contain_eos_token, beta.
+change per epoch (`beta` as a list: its e-th entry in epoch e, the last one after). TRL's metrics: docs/online_dpo.md.
 """
 
 import warnings

@@ -29,7 +29,6 @@ from ..online.critic import (
     masked_mean,
     masked_var,
     masked_whiten,
-    rlhf_objective_metrics,
     score_positions,
     value_mask,
 )
@@ -106,10 +105,8 @@ class PPOConfig(OnlineConfig):
         if self.model_adapter_name or self.ref_adapter_name:
             raise ValueError("model_adapter_name / ref_adapter_name: one LoRA adapter only; leave them None.")
         super().__post_init__()
-        # TRL's batch arithmetic on the online core: a rollout is `local_batch_size` = per_device_train_batch_size
-        # * gradient_accumulation_steps rows per process (`steps_per_generation` micro-batches); each of
-        # `num_ppo_epochs` passes (`num_iterations`) splits it into `num_mini_batches` mini-batches, one optimiser
-        # step each, so `gradient_accumulation_steps` becomes the micro-batches per mini-batch.
+        # TRL's batch arithmetic (docs/ppo.md): a rollout of `local_batch_size` rows per process, `num_ppo_epochs`
+        # passes over it in `num_mini_batches` mini-batches, one optimiser step each (accumulation per mini-batch).
         accumulation, per_device = self.gradient_accumulation_steps, self.per_device_train_batch_size
         if self.num_mini_batches < 1 or accumulation % self.num_mini_batches:
             raise ValueError(
@@ -238,7 +235,13 @@ class PPOTrainer(CriticMixin, OnlineTrainer):
         advantages = gae_advantages(token_rewards, batch.values, args.gamma, args.lam)  # (B, C)
         batch.returns = advantages + batch.values
         batch.advantages = masked_whiten(advantages, mask) * mask
-        for name, value in rlhf_objective_metrics(kl, non_score, scores, batch.old_logps, mask).items():
+        for name, value in (  # TRL's PPO rollout metrics: sums per sequence (entropy: the sampled tokens' -log π)
+            ("objective/kl", kl.sum(1).mean()),
+            ("objective/entropy", (-batch.old_logps * mask).sum(1).mean()),
+            ("objective/non_score_reward", non_score.sum(1).mean()),
+            ("objective/rlhf_reward", non_score.sum(1).mean() + scores.mean()),
+            ("objective/scores", scores.mean()),
+        ):
             self.log_metric(name, self.accelerator.gather_for_metrics(value).mean().item())
         self.log_metric("val/num_eos_tokens", eos_tokens.sum())
         if mode == "train":

@@ -113,8 +113,17 @@ class RLOOTrainer(OnlineTrainer):
         out = self.policy_logprobs(model, inputs)
         logps = (out.logps * mask).sum(1)  # (B,); padding and post-EOS tokens masked
         old_logps = (inputs.old_logps * mask).sum(1) if inputs.old_logps is not None else logps.detach()
-        deferred = self.plan.defers_advantages(mode)
-        advantages = self._deferred_advantages(inputs, out.logps.detach()) if deferred else inputs.advantages
+        advantages = inputs.advantages
+        if self.plan.defers_advantages(mode):  # the KL shaping waited for this forward (see `old_logps` above)
+            own = inputs.row_index  # rows may have been shuffled: `row_index` puts every process's rows back in order
+            order = gather(own)
+            rewards = torch.empty(order.numel(), device=order.device)
+            rewards[order] = gather(inputs.rewards)
+            kl = torch.empty_like(rewards)
+            kl[order] = gather(self._sequence_kl(out.logps.detach(), inputs.ref_logps, inputs.loss_mask))
+            advantages = self._advantages(rewards, kl, "train")
+            self.completion_log.add_advantages(advantages)
+            advantages = advantages[own]
         ratio = torch.exp(logps - old_logps)  # (B,)
         low, high = self.args.clip_range()
         loss = -torch.min(ratio * advantages, ratio.clamp(low, high) * advantages).mean()
@@ -122,16 +131,3 @@ class RLOOTrainer(OnlineTrainer):
         self.log_metric("entropy", self.masked_global_mean(out.entropy, mask))
         self.log_clip_ratios(ratio.unsqueeze(1), advantages, mask, low, high)
         return loss
-
-    def _deferred_advantages(self, inputs: RolloutBatch, policy_tok: torch.Tensor) -> torch.Tensor:
-        """Advantages for a batch whose KL shaping waited for the loss's forward (see `old_logps` above).
-        Rows may have been shuffled: `row_index` puts every process's rows back in generation order."""
-        own = inputs.row_index
-        order = gather(own)
-        rewards = torch.empty(order.numel(), device=order.device)
-        rewards[order] = gather(inputs.rewards)
-        kl = torch.empty_like(rewards)
-        kl[order] = gather(self._sequence_kl(policy_tok, inputs.ref_logps, inputs.loss_mask))
-        advantages = self._advantages(rewards, kl, "train")
-        self.completion_log.add_advantages(advantages)
-        return advantages[own]
