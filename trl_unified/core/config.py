@@ -191,47 +191,6 @@ class PolicyConfig(TrainingArguments):
                     f"{name}={value!r} is accepted for compatibility with TRL but not implemented in trl_unified. "
                     f"Leave it at its default ({defaults[name]!r}). {advice}"
                 )
-        self._check_generation_fields()
-        self.pad_to_multiple_of = self._parse_pad_to_multiple_of(self.pad_to_multiple_of)
-        if self.sync_ref_model and not self.uses_reference_model():
-            raise ValueError(
-                f"You passed `sync_ref_model=True` while {self._no_reference_reason()}: this configuration uses no "
-                "reference model, so there is nothing to sync. Set beta > 0 or sync_ref_model=False."
-            )
-        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
-            raise ValueError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1].")
-        if self.ref_model_sync_steps < 1:
-            raise ValueError(f"ref_model_sync_steps={self.ref_model_sync_steps} must be >= 1.")
-
-    def uses_reference_model(self) -> bool:
-        """Whether this configuration trains against a frozen reference policy (the trainer builds one iff True)."""
-        return False
-
-    def _no_reference_reason(self) -> str:
-        """Why `uses_reference_model()` is False, for error messages (a subclass names its field)."""
-        return "the algorithm has no reference model"
-
-    def _parse_pad_to_multiple_of(self, value):
-        """'auto' → 128 on Neuron (it compiles once per shape), else None; strings from the command line → int."""
-        if not isinstance(value, str):
-            return value
-        lowered = value.lower()
-        if lowered == "auto":
-            return 128 if self.device.type == "neuron" else None
-        if lowered in ("none", "null"):
-            return None
-        try:
-            return int(lowered)
-        except ValueError as e:
-            raise ValueError(f"pad_to_multiple_of={value!r} must be an integer, 'auto' or None.") from e
-
-    def __getstate__(self):
-        # The Trainer pickles its args into training_args.bin, which push_to_hub uploads: never write the token.
-        state = self.__dict__.copy()
-        state["hub_token"] = None
-        return state
-
-    def _check_generation_fields(self):
         if self.temperature <= 0:
             raise ValueError(
                 f"temperature={self.temperature}, but it must be > 0. Use eval_do_sample=False for greedy."
@@ -260,3 +219,32 @@ class PolicyConfig(TrainingArguments):
                     f"answer_extractor={self.answer_extractor!r} has no capture group; the answer is read from the "
                     "first one. Wrap the answer part in parentheses, e.g. 'regex:Answer: (\\S+)'."
                 )
+        value = self.pad_to_multiple_of  # 'auto': 128 on Neuron (it compiles once per shape), else None
+        if isinstance(value, str) and value.lower() in ("auto", "none", "null"):
+            self.pad_to_multiple_of = 128 if value.lower() == "auto" and self.device.type == "neuron" else None
+        elif isinstance(value, str):  # from the command line
+            try:
+                self.pad_to_multiple_of = int(value)
+            except ValueError as e:
+                raise ValueError(f"pad_to_multiple_of={value!r} must be an integer, 'auto' or None.") from e
+        if self.sync_ref_model and not self.uses_reference_model():
+            raise ValueError(
+                f"You passed `sync_ref_model=True` while {self._no_reference_reason()}: this configuration uses no "
+                "reference model, so there is nothing to sync. Set beta > 0 or sync_ref_model=False."
+            )
+        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0:
+            raise ValueError(f"ref_model_mixup_alpha={self.ref_model_mixup_alpha} must be in [0, 1].")
+        if self.ref_model_sync_steps < 1:
+            raise ValueError(f"ref_model_sync_steps={self.ref_model_sync_steps} must be >= 1.")
+
+    def uses_reference_model(self) -> bool:
+        """Whether this configuration trains against a frozen reference policy (the trainer builds one iff True)."""
+        return False
+
+    def _no_reference_reason(self) -> str:
+        """Why `uses_reference_model()` is False, for error messages (a subclass names its field)."""
+        return "the algorithm has no reference model"
+
+    def __getstate__(self):
+        # The Trainer pickles its args into training_args.bin, which push_to_hub uploads: never write the token.
+        return {**self.__dict__, "hub_token": None}

@@ -57,14 +57,12 @@ def reduce_divergence(jsd, completion_mask=None, reduction="batchmean", num_item
     plain sum ("sum"), the elementwise mean ("mean"), or nothing ("none")."""
     mask = completion_mask.bool() if completion_mask is not None else None
     jsd = jsd[mask] if mask is not None else jsd
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(jsd.device)
     if num_items_in_batch is not None:
-        total = jsd.sum()
-        if isinstance(num_items_in_batch, torch.Tensor):
-            num_items_in_batch = num_items_in_batch.to(total.device)
-        return total / num_items_in_batch
+        return jsd.sum() / num_items_in_batch
     if reduction == "batchmean":
-        denominator = mask.sum().clamp_min(1) if mask is not None else max(jsd.size(0), 1)
-        return jsd.sum() / denominator
+        return jsd.sum() / (mask.sum().clamp_min(1) if mask is not None else max(jsd.size(0), 1))
     if reduction == "sum":
         return jsd.sum()
     if reduction == "mean":
@@ -172,9 +170,7 @@ class LinearDivergence(torch.autograd.Function):
                 )
             g = None
         d_hidden = grad_hidden if g is None else grad_hidden * g[:, None]
-        d_weight = None
-        if ctx.needs_input_grad[1]:
-            d_weight = grad_weight if g is None else grad_weight * g[:1].to(grad_weight.dtype)
+        d_weight = grad_weight if g is None or grad_weight is None else grad_weight * g[:1].to(grad_weight.dtype)
         return d_hidden.to(hidden.dtype), d_weight, None, None, None, None, None, None
 
     @staticmethod
@@ -202,8 +198,7 @@ class LinearDivergence(torch.autograd.Function):
                     continue
                 du = LinearDivergence._du(s, t, p, divergence[rows], beta)
                 del s, t, p
-                du.mul_(factor if g is None else factor * g[rows, None])
-                du = du.to(weight.dtype)
+                du = du.mul_(factor if g is None else factor * g[rows, None]).to(weight.dtype)
                 grad_hidden[rows] = du @ weight
                 if grad_weight is not None:
                     grad_weight.addmm_(du.T, h)

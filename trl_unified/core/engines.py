@@ -1,9 +1,5 @@
-"""The distributed engine a run asked for against the one accelerate engaged: a loud notice before training when
-they differ.
-
-The case it exists for: accelerate routes a multi-process CPU launch to `MULTI_CPU` (DDP over gloo) before FSDP is
-considered, so an FSDP config trains with nothing sharded; the notice says what runs instead. See docs/distributed.md.
-"""
+"""The distributed engine a run asked for against the one accelerate engaged: a warning before training when an
+FSDP run is not sharded (a multi-process CPU launch runs as DDP over gloo; docs/distributed.md)."""
 
 import logging
 import os

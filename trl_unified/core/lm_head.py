@@ -1,10 +1,5 @@
-"""The language-model head applied outside the model's forward, to chunks of positions.
-
-The model runs with `logits_to_keep=1`, a forward hook reads the decoder's final hidden states, and the head is
-applied to `_CHUNK_ELEMENTS // V` positions at a time and recomputed in the backward, so no `(B, T, V)` tensor exists.
-The path is taken only where it reproduces the model's logits (checked on each model's first forward); otherwise the
-model's logits are used, with one log line naming the reason. See docs/lm_head.md.
-"""
+"""The language-model head applied outside the model's forward, to chunks of positions recomputed in the backward: no
+`(B, T, V)` tensor, and only where it reproduces the model's logits (a fallback logged once; docs/lm_head.md)."""
 
 import contextlib
 import inspect

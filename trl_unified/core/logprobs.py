@@ -199,9 +199,8 @@ def compute_shared_logprobs(
     rows, docs/shared_prefix.md). None (a cache that cannot be split is reported once) where the prompts cannot be
     shared this way: the caller then runs the two passes.
 
-    `options`: `temperature`, `from_hidden_states`, `compute_entropy`, `entropy_requires_grad` and `logits_stats`
-    of `compute_token_logprobs`, for the rows with grad; the detached rows get log-probs only, at the same
-    temperature and through the same head path.
+    `options` (`temperature`, `from_hidden_states`, `compute_entropy`, `entropy_requires_grad`, `logits_stats`)
+    score the rows with grad; the detached rows get log-probs only, at the same temperature and head path.
     """
     prompt_length, split = input_ids.size(1) - logits_to_keep, input_ids.size(0) - detached_rows
     groups = group_prompts(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
@@ -317,12 +316,8 @@ def _scores_from_logits(logits, targets, temperature, compute_entropy, entropy_r
     if temperature != 1.0:
         logits = logits / temperature
     logps = selective_log_softmax(logits, targets)
-    entropy = None
-    if compute_entropy:
-        with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits)
-    stats = {}
-    if logits_stats is not None:
-        with torch.no_grad():
-            stats = logits_stats(logits, targets)
+    with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
+        entropy = entropy_from_logits(logits) if compute_entropy else None
+    with torch.no_grad():
+        stats = logits_stats(logits, targets) if logits_stats is not None else {}
     return logps, entropy, stats

@@ -84,8 +84,7 @@ class PackedRows:
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """`(1, M)` per-scored-token values -> the `(B, C)` layout (zero / False where nothing is scored)."""
-        out = values.new_zeros(self.shape)
-        return out.index_put((self.rows, self.columns), values.reshape(-1))
+        return values.new_zeros(self.shape).index_put((self.rows, self.columns), values.reshape(-1))
 
 
 @functools.cache

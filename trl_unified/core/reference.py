@@ -60,8 +60,15 @@ class ReferenceModel:
                 # PEFT hosts one adapter per model when LoRA targets parameters (peft#3340): no "ref" adapter can
                 # be added, so the starting policy is kept as a frozen copy (TRL falls back to the base model).
                 return cls("copy", model=copy.deepcopy(policy).requires_grad_(False).eval())
-            if adapter_is_pretrained:
-                _add_frozen_ref_adapter(policy)
+            if adapter_is_pretrained:  # adapter "ref": a frozen copy of the active adapter, weights as they arrived
+                active = policy.active_adapter
+                policy.add_adapter(REF_ADAPTER, policy.peft_config[active])
+                params = dict(policy.named_parameters())
+                for name, param in params.items():
+                    if f".{active}." in name:
+                        params[name.replace(f".{active}.", f".{REF_ADAPTER}.")].data.copy_(param.data)
+                policy.set_adapter(active)
+                _freeze_adapter(policy, REF_ADAPTER)
                 return cls("ref_adapter", policy=policy)
             return cls("adapter_disabled", policy=policy)
         if policy_is_reference and ref_model is None:
@@ -72,7 +79,15 @@ class ReferenceModel:
             ref = load_model(ref_model, args, quantization_config, what="reference model")
         else:  # a deep copy works for models built in memory and never saved (reloading by name would fail there)
             ref = ref_model if ref_model is not None else copy.deepcopy(policy)
-        _check_same_vocabulary(policy, ref)
+        # Reference log-probs are read at the policy's token ids: both models must share the vocabulary.
+        weights = [m.get_input_embeddings().weight for m in (policy, ref) if m.get_input_embeddings() is not None]
+        sizes = [getattr(w, "ds_shape", w.shape)[0] for w in weights]  # ZeRO-3 keeps the full shape in ds_shape
+        if len(sizes) == 2 and sizes[0] != sizes[1]:
+            raise ValueError(
+                f"The reference model's vocabulary ({sizes[1]} tokens) differs from the policy's ({sizes[0]}): its "
+                "log-probs would be read at the wrong token ids. Use a reference with the policy's tokenizer (usually "
+                "the same checkpoint), or omit ref_model to get a frozen copy of the policy."
+            )
         if args.disable_dropout:
             disable_dropout(ref)
         return cls("copy", model=ref.requires_grad_(False).eval())
@@ -111,18 +126,6 @@ class ReferenceModel:
             _freeze_adapter(peft_model, REF_ADAPTER)
 
 
-def _check_same_vocabulary(policy, ref) -> None:
-    """Reference log-probs are read at the policy's token ids: both models must share the vocabulary."""
-    weights = [m.get_input_embeddings().weight for m in (policy, ref) if m.get_input_embeddings() is not None]
-    sizes = [getattr(w, "ds_shape", w.shape)[0] for w in weights]  # ZeRO-3 keeps the full shape in ds_shape
-    if len(sizes) == 2 and sizes[0] != sizes[1]:
-        raise ValueError(
-            f"The reference model's vocabulary ({sizes[1]} tokens) differs from the policy's ({sizes[0]}): its "
-            "log-probs would be read at the wrong token ids. Use a reference with the policy's tokenizer (usually "
-            "the same checkpoint), or omit ref_model to get a frozen copy of the policy."
-        )
-
-
 def prepare_frozen_model(model, accelerator):
     """Place a frozen model (reference, reward model) on the engine in use: DeepSpeed (ZeRO-3 sharded, lower stages
     inference-only), FSDP (sharded like the policy), or plain device placement without DDP. Returns it in eval mode."""
@@ -142,18 +145,6 @@ def _freeze_adapter(model, name: str) -> None:
             param.requires_grad_(False)
 
 
-def _add_frozen_ref_adapter(model) -> None:
-    """Add adapter "ref" as a frozen copy of the active adapter (its weights as they arrived)."""
-    active = model.active_adapter
-    model.add_adapter(REF_ADAPTER, model.peft_config[active])
-    params = dict(model.named_parameters())
-    for name, param in params.items():
-        if f".{active}." in name:
-            params[name.replace(f".{active}.", f".{REF_ADAPTER}.")].data.copy_(param.data)
-    model.set_adapter(active)
-    _freeze_adapter(model, REF_ADAPTER)
-
-
 def _prepare_deepspeed(model, accelerator):
     import deepspeed
 
@@ -171,8 +162,7 @@ def _prepare_deepspeed(model, accelerator):
     config["zero_optimization"].pop("offload_optimizer", None)
     if stage != 3:  # ZeRO-1/2 shard optimizer state only: an inference-only engine (stage 0) suffices
         config["zero_optimization"]["stage"] = 0
-    engine, *_ = deepspeed.initialize(model=model, config=config)
-    return engine
+    return deepspeed.initialize(model=model, config=config)[0]  # (engine, optimizer, dataloader, scheduler)
 
 
 def _prepare_fsdp(model, accelerator):
@@ -189,16 +179,7 @@ def _prepare_fsdp(model, accelerator):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     plugin.set_auto_wrap_policy(model)
-    return FSDP(
-        model,
-        sharding_strategy=plugin.sharding_strategy,
-        cpu_offload=plugin.cpu_offload,
-        auto_wrap_policy=plugin.auto_wrap_policy,
-        mixed_precision=plugin.mixed_precision_policy,
-        sync_module_states=plugin.sync_module_states,
-        backward_prefetch=plugin.backward_prefetch,
-        forward_prefetch=plugin.forward_prefetch,
-        use_orig_params=plugin.use_orig_params,
-        limit_all_gathers=plugin.limit_all_gathers,
-        device_id=accelerator.device,
-    )
+    same_names = ("sharding_strategy", "cpu_offload", "auto_wrap_policy", "sync_module_states", "backward_prefetch")
+    same_names += ("forward_prefetch", "use_orig_params", "limit_all_gathers")  # FSDP keywords named as the plugin's
+    options = {name: getattr(plugin, name) for name in same_names}
+    return FSDP(model, mixed_precision=plugin.mixed_precision_policy, device_id=accelerator.device, **options)

@@ -1,13 +1,8 @@
 """A deterministic end for multi-process runs: no SIGABRT at interpreter exit after training succeeded
-(docs/architecture.md, "Process shutdown", has the two failure modes and the fixed order).
-
-Facts behind it (2 CPU processes, gloo, DDP and ZeRO-3): gloo's threads (`pt_gloo_runloop`, `gloo_tcp_loop`) outlive
-`destroy_process_group()` while the DDP wrapper's `process_group`, DeepSpeed's engine and optimizer and every ZeRO-3
-parameter's `ds_process_group` keep `ProcessGroupGloo` referenced; its teardown at finalization aborts one rank in one
-run in ten to three, and a late free of the DDP `Reducer` hangs 2 runs of ~15. The exit handler is registered when
-trl_unified is imported, so later ones (W&B's) run first; logging's and multiprocessing's, registered earlier, are run
-by it. Exit status: 1 after an uncaught exception, the code given to `sys.exit(...)` / `exit(...)`, else 0.
-"""
+(docs/architecture.md, "Process shutdown", has the two failure modes and the fixed order). Measured on 2 CPU
+processes (gloo, DDP and ZeRO-3): the teardown of a still-referenced `ProcessGroupGloo` at finalization aborts one
+rank in one run in ten to three, and a late free of the DDP `Reducer` hangs 2 runs of ~15. The exit handler is
+registered at import, so later ones (W&B's) run first; it runs logging's and multiprocessing's itself."""
 
 import atexit
 import builtins
@@ -26,7 +21,22 @@ def install_distributed_shutdown() -> None:
     """Arm the exit handler for this process (trainers call it; a no-op without an initialised process group)."""
     if _state["active"] or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return
-    _track_exit_status()
+    # Remember the status of `sys.exit` / `exit` / `quit` and of uncaught exceptions, for `os._exit`.
+    previous_hook, previous_exit = sys.excepthook, sys.exit
+
+    def excepthook(*args):
+        _state["exit_code"] = 1
+        previous_hook(*args)
+
+    def exit_(status=None):
+        _state["exit_code"] = _exit_code_of(status)
+        previous_exit(status)
+
+    sys.excepthook, sys.exit = excepthook, exit_
+    for name in ("exit", "quit"):
+        quitter = getattr(builtins, name, None)
+        if quitter is not None:
+            setattr(builtins, name, _TrackedQuitter(quitter))
     _state["active"] = True
 
 
@@ -38,8 +48,7 @@ def release_ddp_wrapper(trainer) -> None:
     if not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
         return
     trainer.model_wrapped = trainer.model
-    accelerator = trainer.accelerator
-    accelerator._models = [m for m in accelerator._models if m is not wrapped]
+    trainer.accelerator._models = [m for m in trainer.accelerator._models if m is not wrapped]
     del wrapped
     gc.collect()
 
@@ -82,31 +91,7 @@ def _gloo_threads_alive() -> bool:
 
 
 def _exit_code_of(status) -> int:
-    if status is None:
-        return 0
-    return status if isinstance(status, int) else 1  # a message: Python prints it and exits with 1
-
-
-def _track_exit_status() -> None:
-    """Remember the status of `sys.exit` / `exit` / `quit` and of uncaught exceptions, for `os._exit`."""
-    previous_hook = sys.excepthook
-
-    def excepthook(*args):
-        _state["exit_code"] = 1
-        previous_hook(*args)
-
-    sys.excepthook = excepthook
-    previous_exit = sys.exit
-
-    def exit_(status=None):
-        _state["exit_code"] = _exit_code_of(status)
-        previous_exit(status)
-
-    sys.exit = exit_
-    for name in ("exit", "quit"):
-        quitter = getattr(builtins, name, None)
-        if quitter is not None:
-            setattr(builtins, name, _TrackedQuitter(quitter))
+    return 0 if status is None else status if isinstance(status, int) else 1  # a message: Python prints it, exits 1
 
 
 class _TrackedQuitter:

@@ -9,7 +9,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import gather_object, is_peft_model, set_seed
 from datasets import Dataset, IterableDataset
 from transformers import Trainer
 
@@ -30,7 +30,6 @@ from ..models.loading import (
     load_model,
     load_processing_class,
     moe_aux_loss_setup,
-    prepare_peft_checkpointing,
 )
 from ..models.token_ids import embedding_rows, in_table, saved_without_unusable_pad
 from .config import PolicyConfig
@@ -100,7 +99,8 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
                 base.generation_config.pad_token_id = tokenizer.pad_token_id
         model, adapter_is_pretrained = apply_peft(model, peft_config, args)
         check_liger_kernel(model, args)
-        prepare_peft_checkpointing(model, args)
+        if is_peft_model(model) and args.gradient_checkpointing:  # frozen embeddings must pass gradients on
+            model.enable_input_require_grads()
         if args.disable_dropout:
             disable_dropout(model)
         check_dataset_types(train_dataset, eval_dataset)
@@ -336,9 +336,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
             release_ddp_wrapper(self)
 
     def _prepare_inputs(self, inputs):
-        if isinstance(inputs, TensorBatch):
-            return inputs.to(self.args.device)
-        return super()._prepare_inputs(inputs)
+        return inputs.to(self.args.device) if isinstance(inputs, TensorBatch) else super()._prepare_inputs(inputs)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -394,12 +392,10 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
             for key, values in process_metrics.items():
                 merged[key].extend(values)
         prefix = "eval_" if mode == "eval" else ""
-        for key, values in sorted(merged.items()):
-            if key == "num_tokens":  # a running total, not an average: report the latest
-                logs[f"{prefix}{key}"] = float(self.state.num_input_tokens_seen)
-            else:
-                reduce = {"max": max, "min": min, "sum": sum}.get(self._metric_reductions.get(key))
-                logs[f"{prefix}{key}"] = (reduce(values) if reduce else sum(values) / len(values)) if values else None
+        for key, values in sorted(merged.items()):  # num_tokens, a running total, reports the latest
+            reduce = {"max": max, "min": min, "sum": sum}.get(self._metric_reductions.get(key))
+            value = (reduce(values) if reduce else sum(values) / len(values)) if values else None
+            logs[f"{prefix}{key}"] = float(self.state.num_input_tokens_seen) if key == "num_tokens" else value
         self._metrics[mode].clear()
         super().log(logs, start_time)
 

@@ -101,8 +101,7 @@ def reference_answers(value, where: str = "reference answer") -> list[str] | Non
         answer = normalize_answer(value)
         return [answer] if answer is not None else None
     if isinstance(value, (list, tuple)):
-        answers = [a for item in value for a in (reference_answers(item, where) or [])]
-        return answers or None
+        return [a for item in value for a in (reference_answers(item, where) or [])] or None
     raise TypeError(
         f"{where} is a {type(value).__name__} ({str(value)[:60]!r}); a reference answer is a string, a number, or "
         "a list of accepted answers."
@@ -134,17 +133,8 @@ def _build_answer_accuracy():
     import evaluate
 
     class AnswerAccuracy(evaluate.Metric):
-        """`evaluate` metric: fraction of predictions whose normalised answer equals the reference's.
-
-        An unparseable prediction (passed as `""`, since `evaluate` takes strings only) is counted wrong, and so is a
-        row whose reference is empty.
-
-        Example:
-        ```python
-        >>> AnswerAccuracy().compute(predictions=["a", "", "B "], references=["a", "b", "b"])
-        {'accuracy': 0.6666666666666666}
-        ```
-        """
+        """`evaluate` metric: the fraction of predictions that match their reference (`answers_match`); an unparseable
+        prediction (passed as `""`: `evaluate` takes strings only) and an empty reference count as wrong."""
 
         def _info(self):
             return evaluate.MetricInfo(

@@ -30,12 +30,7 @@ class GenerativeEvalMixin:
         return [(i, row) for i, row in enumerate(dataset) if i % world == rank]
 
     def evaluate_generations(self, dataset, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Generate for every eval row carrying a reference answer, extract the predicted answer, and score it.
-
-        Returns `{prefix}_accuracy` (an unparseable answer is wrong), `{prefix}_answer_parse_rate` and one entry per
-        `generative_metrics` result; writes the records (prompt, generation, predicted, reference, correct) as JSON
-        Lines under `output_dir/eval_records/`, gathered from all processes in dataset order.
-        """
+        """Generative accuracy on `dataset`: the metrics and records of the module docstring (unparseable: wrong)."""
         names = column_names(dataset)
         if not self.args.generative_eval or dataset is None:
             return {}

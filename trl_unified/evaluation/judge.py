@@ -124,11 +124,9 @@ class GRMReward:
 
     def to_reward(self, answer: str | None) -> float | None:
         """Map an extracted (normalised) answer to a reward, or None when it does not parse."""
-        if answer is None:
-            return None
         if self.mode == "pairwise":
             return {"a": 1.0, "response a": 1.0, "b": 0.0, "response b": 0.0, "tie": 0.5}.get(answer)
-        if re.fullmatch(r"[-+]?\d+(\.\d+)?", answer.strip()) is None:
+        if answer is None or re.fullmatch(r"[-+]?\d+(\.\d+)?", answer.strip()) is None:
             return None
         score = float(answer)
         return (score - self.low) / (self.high - self.low) if self.low <= score <= self.high else None

@@ -57,10 +57,8 @@ def _versions() -> str:
 def write_model_card(
     trainer, model_name: str | None = None, dataset_name: str | None = None, tags=None, output_dir: str | None = None
 ) -> str:
-    """Write `README.md` into `output_dir` (default `trainer.args.output_dir`) and return its path.
-
-    Nothing secret is written: no token, no local absolute path of the training machine beyond the base model's.
-    """
+    """Write `README.md` into `output_dir` (default `trainer.args.output_dir`) and return its path. Nothing secret is
+    written: no token, no local absolute path of the training machine beyond the base model's."""
     output_dir = output_dir or trainer.args.output_dir
     base_model = model_id_of(trainer.model)
     base_is_hub_id = not os.path.isdir(base_model) and "/" in base_model

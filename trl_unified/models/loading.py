@@ -60,14 +60,6 @@ def moe_aux_loss_setup(model, args) -> tuple[bool, float]:
     return is_moe and coef != 0.0, float(coef or 0.0)
 
 
-def _auto_class_for(config):
-    if getattr(config, "is_encoder_decoder", False):
-        return AutoModelForSeq2SeqLM
-    if getattr(config, "vision_config", None) is not None:
-        return AutoModelForImageTextToText
-    return AutoModelForCausalLM
-
-
 def from_pretrained_checked(auto_class, model_id: str, what: str, **kwargs):
     """`auto_class.from_pretrained(model_id)` with an error that says what to do when the id cannot be resolved."""
     try:
@@ -83,12 +75,9 @@ def from_pretrained_checked(auto_class, model_id: str, what: str, **kwargs):
 
 
 def load_model(model_id: str, args, quantization_config=None, what: str = "policy model"):
-    """Load a causal LM, seq2seq or vision-language model by id/path with `args.model_init_kwargs`.
-
-    The auto class is chosen from the config (encoder-decoder → Seq2SeqLM, `vision_config` → ImageTextToText, else
-    CausalLM). `device_map` is dropped under distributed training, where accelerate places the model. As in TRL,
-    `dtype` defaults to float32 (not the checkpoint's dtype) and accepts "bfloat16", "float16", "float32" or "auto".
-    """
+    """Load the policy (or reference) by id/path with `args.model_init_kwargs` (`load_model_plain`): as in TRL, `dtype`
+    defaults to float32, not the checkpoint's; `device_map` is dropped under distributed training (accelerate places
+    the model)."""
     kwargs = dict(args.model_init_kwargs or {})
     dtype = kwargs["dtype"] = kwargs.get("dtype", "float32")
     if not (dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype)):
@@ -112,11 +101,8 @@ def load_model(model_id: str, args, quantization_config=None, what: str = "polic
 
 
 def load_processing_class(processing_class, model, args):
-    """Return the processing class, loading it from the model's id when not given.
-
-    Pad-token rule: when the tokenizer has no pad token, the EOS token is used as pad token. This is safe because
-    attention masks, not token values, decide what is padding, and completion masks end at the first EOS.
-    """
+    """The processing class, loaded from the model's id when not given; a tokenizer without a pad token pads with EOS
+    (safe: attention masks, not token values, decide what is padding, and completion masks end at the first EOS)."""
     if processing_class is None:
         model_id = model_id_of(model)
         try:
@@ -161,11 +147,8 @@ def keep_4bit_layers_trainable_on_cpu(model) -> None:
 
 
 def apply_peft(model, peft_config, args):
-    """Wrap `model` with a new adapter from `peft_config` (k-bit preparation first when quantised).
-
-    Returns `(model, adapter_is_pretrained)`: False for a fresh adapter (its disabled state is the base model, a
-    valid reference), True when `model` already arrived as a `PeftModel` (its adapter was trained before).
-    """
+    """Wrap `model` with a new adapter from `peft_config` (k-bit preparation first when quantised). Returns `(model,
+    adapter_is_pretrained)`: True when `model` arrived as a `PeftModel` (its adapter trained before)."""
     keep_4bit_layers_trainable_on_cpu(model)
     if peft_config is None:
         if is_quantized(model) and not is_peft_model(model):
@@ -216,12 +199,6 @@ def check_liger_kernel(model, args) -> None:
         )
 
 
-def prepare_peft_checkpointing(model, args) -> None:
-    """With PEFT and gradient checkpointing, the frozen embeddings must still pass gradients to checkpointed blocks."""
-    if is_peft_model(model) and args.gradient_checkpointing:
-        model.enable_input_require_grads()
-
-
 def cast_lm_head_to_fp32(model) -> None:
     """Compute the LM head in float32 (as TRL's `cast_lm_head_to_fp32`): its weight becomes float32 and its input
     is cast up, so logits and log-probs keep float32 precision with bf16/fp16 weights. A tied input embedding keeps
@@ -256,4 +233,6 @@ def load_model_plain(model_id: str, what: str = "model", **kwargs):
     """Load a model by id/path with the auto class its config calls for (no training arguments involved)."""
     config_kwargs = {k: v for k, v in kwargs.items() if k in ("trust_remote_code", "revision")}  # the config's too
     config = from_pretrained_checked(AutoConfig, model_id, what, **config_kwargs)
-    return from_pretrained_checked(_auto_class_for(config), model_id, what, **kwargs)
+    seq2seq, vision = getattr(config, "is_encoder_decoder", False), getattr(config, "vision_config", None) is not None
+    auto_class = AutoModelForSeq2SeqLM if seq2seq else AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    return from_pretrained_checked(auto_class, model_id, what, **kwargs)

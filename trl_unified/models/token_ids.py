@@ -1,11 +1,5 @@
-"""Token ids against a model's embedding table: padding that never reaches it, and a clear error for an id that
-cannot work.
-
-Where a position the attention mask hides holds an id beyond the table (a pad token added without resizing), the id
-is read as 0 (TRL's fill) before the forward, which leaves the numbers unchanged; an id a model would actually read
-(a prompt token, a sampled token) beyond its table raises a ValueError naming the id. See docs/ppo.md ("TRL's PPO
-recipe").
-"""
+"""Token ids against a model's embedding table: a hidden id beyond it (a pad token added without resizing) is read
+as 0 (TRL's fill), an id a model would read beyond it raises, naming the id (docs/ppo.md, "TRL's PPO recipe")."""
 
 import contextlib
 

@@ -1,7 +1,5 @@
-"""The offline preference core that DPO and KTO share: the config fields, data preparation (`preference_data.py`),
-sequence log-probs of completions, and reference log-probs (on the fly or precomputed once) through
-`ReferenceModel`. A trainer implements its loss (`compute_policy_loss`) and the reference columns it precomputes.
-"""
+"""The offline preference core that DPO and KTO share: config fields, sequence log-probs of completions, and
+reference log-probs (on the fly or precomputed once) through `ReferenceModel`; data preparation is in `data.py`."""
 
 import logging
 from dataclasses import dataclass
@@ -14,7 +12,7 @@ from torch.utils.data import DataLoader
 from ..core.config import PolicyConfig, option
 from ..core.logprobs import TokenLogprobs, compute_shared_logprobs, compute_token_logprobs
 from ..core.trainer import PolicyTrainerBase
-from ..data.datasets import check_images_fit, column_names, dataset_columns
+from ..data.datasets import column_names, dataset_columns
 from ..models.loading import get_tokenizer
 from .data import (
     PairedBatch,
@@ -159,7 +157,6 @@ class PreferenceTrainer(PolicyTrainerBase):
         names = set(dataset_columns(dataset))
         if "prompt_ids" in names:
             return
-        check_images_fit(dataset, self.processing_class, self.model)
         if not any(set(option) <= names for option in self.required_columns):
             wanted = " or ".join("/".join(option) for option in self.required_columns)
             raise ValueError(

@@ -44,9 +44,7 @@ F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"
 class DPOConfig(TruncationConfig, PreferenceConfig):
     """Configuration of `DPOTrainer`: every field of `trl.DPOConfig` 1.16, same names and defaults."""
 
-    loss_type: list[str] = field(
-        default_factory=lambda: ["sigmoid"], metadata={"help": f"One or more of {', '.join(LOSS_TYPES)}."}
-    )
+    loss_type: list[str] = option(default_factory=lambda: ["sigmoid"], help=f"One or more of {', '.join(LOSS_TYPES)}.")
     loss_weights: list[float] | None = option(None, "One weight per loss type (MPO: [0.8, 0.2, 1.0]). None: all 1.0.")
     ld_alpha: float | None = option(None, "LD-DPO α in [0, 1]: weight of tokens beyond the shorter completion.")
     f_divergence_type: str = field(default="reverse_kl", metadata={"help": f"One of {', '.join(F_DIVERGENCES)}."})
@@ -117,8 +115,7 @@ class DPOTrainer(PreferenceTrainer):
     def reference_columns(self, batch: PairedBatch):
         sequences = batch.sequences
         ref = self.sequence_logps(self.reference_completion_logps(sequences), sequences.completion_mask[:, 1:])
-        chosen, rejected = ref.chunk(2)
-        return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
+        return dict(zip(("ref_chosen_logps", "ref_rejected_logps"), ref.chunk(2), strict=True))
 
     def compute_policy_loss(self, model, inputs: PairedBatch, num_items_in_batch=None):
         args, sequences = self.args, inputs.sequences

@@ -150,12 +150,8 @@ class GRMTrainer(PolicyTrainerBase):
             return dataset  # vision-language rows are tokenised with their images / videos in the collator
         # IterableDataset.map takes neither num_proc nor desc: streaming rows are tokenised as they are read.
         map_kwargs = {} if streaming else {"num_proc": args.dataset_num_proc, "desc": f"Tokenizing {name} dataset"}
-        return dataset.map(
-            tokenize_sft_row,
-            fn_kwargs={"processing_class": self.processing_class, "args": args},
-            with_indices=True,
-            **map_kwargs,
-        )
+        fn_kwargs = {"processing_class": self.processing_class, "args": args}
+        return dataset.map(tokenize_sft_row, fn_kwargs=fn_kwargs, with_indices=True, **map_kwargs)
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
