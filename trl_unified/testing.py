@@ -1,14 +1,12 @@
-"""Tiny models and tokenizers built locally (no Hub), for tests, examples and benchmarks.
-
-Everything here is built from configs with random weights and a word-level tokenizer trained with the `tokenizers`
-library; `save_tiny_model` writes a directory that loads back with `from_pretrained(path)`.
-"""
+"""Tiny models (from configs, random weights) and tokenizers (trained with `tokenizers`) built locally, no Hub, for
+tests, examples and benchmarks; `save_tiny_model` writes a directory that loads back with `from_pretrained(path)`."""
 
 import os
+from unittest import mock
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 
@@ -166,17 +164,13 @@ def build_vision_language_model(words: list[str] | None = None, seed: int = 0, v
             temporal_patch_size=2,
             cap_pixels_per_frame=False,
         )
-    check = ProcessorMixin.check_argument_for_proper_class
-    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: type(arg)
-    try:
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda self, name, arg: type(arg)):
         processor = Qwen2VLProcessor(
             image_processor=image_processor,
             tokenizer=tokenizer,
             video_processor=video_processor,
             chat_template=VL_CHAT_TEMPLATE,
         )
-    finally:
-        ProcessorMixin.check_argument_for_proper_class = check
     ids = tokenizer.convert_tokens_to_ids
     text = dict(_common(tokenizer, 32, 2), rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
     vision = dict(
@@ -245,8 +239,6 @@ def build_tool_tokenizer(corpus: list[str] | None = None, vocab_size: int = 600)
 
     EOS is `<|im_end|>` (the end of an assistant turn) and the pad token `<|endoftext|>`, as in Qwen2.5.
     """
-    from tokenizers import AddedToken
-
     template = trl_chat_template("qwen2_5")
     texts = [
         *(corpus or []),

@@ -44,10 +44,8 @@ class TensorBatch:
 
     def select(self, index: torch.Tensor) -> "TensorBatch":
         """The rows `index` (a 1-D long tensor) of every per-row field, in that order."""
-        return dataclasses.replace(self, **{f.name: _take(getattr(self, f.name), index) for f in self._fields()})
-
-    def _fields(self):
-        return [f for f in dataclasses.fields(self) if f.init and f.metadata.get("per_row", True)]
+        fields = [f for f in dataclasses.fields(self) if f.init and f.metadata.get("per_row", True)]
+        return dataclasses.replace(self, **{f.name: _take(getattr(self, f.name), index) for f in fields})
 
     def __contains__(self, name: str) -> bool:
         return name in {f.name for f in dataclasses.fields(self)} and getattr(self, name) is not None

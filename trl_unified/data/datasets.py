@@ -181,16 +181,22 @@ def check_images_fit(dataset, processing_class, model) -> None:
     """Rows with images or videos need a vision-language model and a processor with an image (video) processor
     (TRL's wording first); video rows must be readable (see `vision.check_videos`)."""
     names = dataset_columns(dataset) if dataset is not None else []
-    videos = [c for c in names if c in VIDEO_COLUMNS]
-    if videos:
-        from .vision import check_videos
-
-        if getattr(base_model(model).config, "vision_config", None) is None:
+    videos, images = [c for c in names if c in VIDEO_COLUMNS], [c for c in names if c in IMAGE_COLUMNS]
+    if (videos or images) and getattr(base_model(model).config, "vision_config", None) is None:
+        if videos:
             raise ValueError(
                 f"The dataset has a video column ({videos}), but {type(model).__name__} is not a vision-language "
                 "model (no vision_config). Use a video-capable vision-language model (e.g. Qwen2-VL), or drop the "
                 "column."
             )
+        raise ValueError(
+            "The dataset appears to be vision-related (contains 'image' or 'images' keys), but the provided model "
+            "does not seem to be a vision-language model. Please check your model and dataset. "
+            f"({type(model).__name__} has no vision_config: use a vision-language model, or drop the image column.)"
+        )
+    if videos:
+        from .vision import check_videos
+
         if getattr(processing_class, "video_processor", None) is None:
             raise ValueError(
                 f"The dataset has a video column ({videos}), but the processing class "
@@ -198,17 +204,9 @@ def check_images_fit(dataset, processing_class, model) -> None:
                 "video processor (transformers' video processors need torchvision: pip install trl_unified[vision])."
             )
         check_videos(dataset)
-    if not any(c in names for c in IMAGE_COLUMNS):
-        return
-    if getattr(base_model(model).config, "vision_config", None) is None:
+    if images and not hasattr(processing_class, "image_processor"):
         raise ValueError(
-            "The dataset appears to be vision-related (contains 'image' or 'images' keys), but the provided model "
-            "does not seem to be a vision-language model. Please check your model and dataset. "
-            f"({type(model).__name__} has no vision_config: use a vision-language model, or drop the image column.)"
-        )
-    if not hasattr(processing_class, "image_processor"):
-        raise ValueError(
-            f"The dataset has an image column ({[c for c in names if c in IMAGE_COLUMNS]}) but the processing "
-            f"class is a {type(processing_class).__name__}, not an image processor. Pass the vision-language model's "
+            f"The dataset has an image column ({images}) but the processing class is a "
+            f"{type(processing_class).__name__}, not an image processor. Pass the vision-language model's "
             "AutoProcessor, or remove the image column."
         )

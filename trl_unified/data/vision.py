@@ -1,13 +1,6 @@
-"""Vision-language rows for the data layers: rendering a conversation with its image and video placeholders, and
-encoding a batch of prompts with their images and videos through the model's processor.
-
-Rows follow TRL's conventions (`images` / `image`, placeholders from `trl.prepare_multimodal_messages`), extended to
-videos (TRL has no video rows): `videos` / `video`, one `{"type": "video"}` part per video after the image parts,
-unless the first user message already holds video parts. The processor's tensors are laid out per image / video in
-row order, and per-token inputs are aligned with `input_ids`. Images and videos are processed when a batch is
-collated, as in TRL (processing them once in `Dataset.map` would store every pixel on disk).
-See docs/grm.md ("Images and videos") and docs/dpo.md.
-"""
+"""Vision-language rows (TRL's conventions, extended to videos: docs/grm.md, "Images and videos"): a conversation
+rendered with its image and video placeholders, and a batch of prompts encoded with its images and videos by one
+processor call when the batch is collated, as in TRL (processing them in `Dataset.map` would store every pixel)."""
 
 import os
 from dataclasses import dataclass

@@ -1,12 +1,9 @@
-"""`generate_batched`: encode the prompts, run the engine the model and options allow, and build the output.
-
-Engines: transformers' continuous batching (continuous_batching.py) for all prompts at once, or per padded chunk the
-lean decode loop (lean.py) or `model.generate` (transformers_generate.py), the lean loop falling back to `generate`
-where it cannot decode (the reason logged once), either one optionally on a shared-prefix cache (sharing.py).
-"""
+"""`generate_batched`: encode the prompts, run the engine the model and options allow (continuous batching for all at
+once; per padded chunk the lean loop, else `model.generate`, maybe on a shared-prefix cache), build the output."""
 
 import copy
 from collections.abc import Sequence
+from dataclasses import fields
 
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase, ProcessorMixin
@@ -16,7 +13,7 @@ from ..models.token_ids import embedding_rows, padding_fill_id
 from . import lean, transformers_generate
 from .continuous_batching import generate_with_continuous_batching
 from .fallbacks import report_fallback
-from .options import GenerationOptions, eos_ids, get_eos_token_ids, resolve_options, with_pad_in_table
+from .options import GenerationOptions, eos_ids, get_eos_token_ids, with_pad_in_table
 from .output import GenerationOutput, build_output, cut_after_eos
 from .packed_weights import MIN_NEW_TOKENS, packed_linear_weights
 from .prompts import collate_chunk, encode_for_generation, padding_token_id
@@ -73,7 +70,10 @@ def generate_batched(
         shared_prefix=shared_prefix, continuous_batching=continuous_batching, lean_decoding=lean_decoding,
         return_logprobs=return_logprobs, vllm=vllm,
     )  # fmt: skip
-    options = resolve_options(options, keywords)
+    given = [f.name for f in fields(keywords) if getattr(keywords, f.name) is not f.default]
+    if options is not None and given:  # options= where given, the keywords then left at their defaults
+        raise TypeError(f"generate_batched got options= and the keywords {given}; set them on the options instead.")
+    options = keywords if options is None else options
     bare = options.accelerator.unwrap_model(model) if options.accelerator is not None else model
     encoded = encode_for_generation(processing_class, prompts, options, bare, generation_config)
     tokenizer = get_tokenizer(processing_class)

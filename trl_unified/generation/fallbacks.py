@@ -3,24 +3,18 @@
 import logging
 
 
-# the faster path not taken -> (its module's logger, the line); filters set on those loggers keep working
-_PATHS = {
-    "shared_prefix": (
-        logging.getLogger("trl_unified.generation.sharing"),
-        "shared_prefix: the {where} runs without prompt sharing because {reason}.",
-    ),
-    "lean_decoding": (
-        logging.getLogger("trl_unified.generation.lean"),
-        "generate_batched decodes with model.generate instead of the lean loop: {reason}.",
-    ),
-    "chunked_lm_head": (
-        logging.getLogger("trl_unified.core.lm_head"),
-        "chunked_lm_head: the {where} come from the model's logits because {reason}.",
-    ),
-    "padding_free": (
-        logging.getLogger("trl_unified.core.packing"),
-        "padding_free: the {where} runs on padded rows because {reason}.",
-    ),
+# the faster path not taken -> the line, logged by that path's module's logger (filters set on it keep working)
+_LINES = {
+    "shared_prefix": "shared_prefix: the {where} runs without prompt sharing because {reason}.",
+    "lean_decoding": "generate_batched decodes with model.generate instead of the lean loop: {reason}.",
+    "chunked_lm_head": "chunked_lm_head: the {where} come from the model's logits because {reason}.",
+    "padding_free": "padding_free: the {where} runs on padded rows because {reason}.",
+}
+_MODULES = {
+    "shared_prefix": "generation.sharing",
+    "lean_decoding": "generation.lean",
+    "chunked_lm_head": "core.lm_head",
+    "padding_free": "core.packing",
 }
 _reported: set[tuple[str, str, str]] = set()
 
@@ -31,5 +25,4 @@ def report_fallback(where: str, reason: str, path: str = "shared_prefix") -> Non
     head applied to hidden states in chunks; "padding_free": rows packed without padding) because of `reason`."""
     if (path, where, reason) not in _reported:
         _reported.add((path, where, reason))
-        logger, line = _PATHS[path]
-        logger.info(line.format(where=where, reason=reason))
+        logging.getLogger(f"trl_unified.{_MODULES[path]}").info(_LINES[path].format(where=where, reason=reason))

@@ -1,10 +1,6 @@
-"""The lean decode loop of `generate_batched`: `model.generate`'s sampling loop without its per-step machinery.
-
-`lean_generate` runs the same forward passes, logits processors and sampling calls as `GenerationMixin._sample`, in
-the same order, so it returns the same tokens (tested in tests/generation/test_decode.py), without `generate`'s
-per-token bookkeeping. Options outside `SUPPORTED_OPTIONS`, and models or inputs the loop does not cover, are decoded
-by `model.generate`; `unsupported_reason` names why and `generate_batched` logs it once. See docs/decoding.md.
-"""
+"""The lean decode loop of `generate_batched`: `GenerationMixin._sample`'s forwards, processors and sampling calls in
+its order (the same tokens), without its per-token bookkeeping; what it does not cover (`SUPPORTED_OPTIONS`,
+`unsupported_reason`) is decoded by `model.generate`. See docs/decoding.md."""
 
 import copy
 import functools

@@ -1,12 +1,9 @@
-"""How to generate: `GenerationOptions` (`generate_batched`'s keywords), EOS ids and a trainer's `GenerationConfig`.
-
-`generation_config` stays a separate argument: it says what to decode (lengths, sampling), the options say how the
-call runs (batching, engines, prompt inputs, what to return).
-"""
+"""How to generate: `GenerationOptions` (how a `generate_batched` call runs; its `generation_config` says what to
+decode), EOS ids and a trainer's `GenerationConfig`."""
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import GenerationConfig
@@ -81,16 +78,6 @@ class GenerationOptions:
     def has_visual_inputs(self) -> bool:
         """Whether the prompts come with images or videos (encoded by the processor)."""
         return self.images is not None or self.videos is not None
-
-
-def resolve_options(options: GenerationOptions | None, keywords: GenerationOptions) -> GenerationOptions:
-    """`options` where given (the keywords must then be left at their defaults), else the keywords."""
-    if options is None:
-        return keywords
-    given = [f.name for f in fields(keywords) if getattr(keywords, f.name) is not f.default]
-    if given:
-        raise TypeError(f"generate_batched got options= and the keywords {given}; set them on the options instead.")
-    return options
 
 
 def get_eos_token_ids(model, processing_class) -> list[int]:

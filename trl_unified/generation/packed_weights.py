@@ -1,11 +1,5 @@
-"""Prepacked linear weights for decoding on CPU.
-
-A decode step multiplies a handful of rows by every weight matrix, and PyTorch's CPU `F.linear` repacks the weight into
-its blocked layout inside every such product. `packed_linear_weights` packs every float32 `nn.Linear` weight once
-(oneDNN) when generation starts and routes the layer's forward to the packed copy until it ends; logits differ from
-`F.linear`'s only in the last bits (summation order). Used on CPU only, and only when a generation call decodes at
-least `MIN_NEW_TOKENS` tokens. See docs/decoding.md ("Prepacked linear weights").
-"""
+"""Prepacked linear weights for decoding on CPU (calls of at least `MIN_NEW_TOKENS` tokens): every float32 `nn.Linear`
+weight packed once (oneDNN) per generation call; why and how exactly: docs/decoding.md ("Prepacked linear weights")."""
 
 import contextlib
 import logging

@@ -134,10 +134,9 @@ def _prompt_kind(prompt) -> str | None:
 
 def max_positions(model) -> int | None:
     """The longest sequence a decoder-only model's config allows (`max_position_embeddings` / `n_positions`)."""
-    config = model.config
-    if getattr(config, "is_encoder_decoder", False):
+    if getattr(model.config, "is_encoder_decoder", False):
         return None
-    config = config.get_text_config()
+    config = model.config.get_text_config()
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 

@@ -2,9 +2,8 @@
 decisions whether a forward or a generation may share prompts, with the reason when not.
 
 Prefix Grouper (Liu et al., 2025, arXiv:2506.05433): reusing the shared prompt's key/value cache for every completion
-gives the same outputs and gradients as running each row on its own. Only the public transformers API is used, so any
-decoder-only model with a dynamic KV cache can take this path. Fallbacks are reported once per reason
-(`report_fallback`, logger `trl_unified.generation.sharing`). See docs/shared_prefix.md.
+gives the same outputs and gradients as running each row on its own. Fallbacks are reported once per reason
+(`report_fallback`). See docs/shared_prefix.md.
 """
 
 import copy
@@ -224,9 +223,8 @@ def may_share_prefix(where: str, model, extra_inputs: dict | None = None, *, obs
 
 
 def chunk_groups(chunk: dict, generation_config) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The rows of one padded generation chunk that share a prompt (`group_prompts`), or None: nothing repeats, the
-    chunk carries inputs besides ids and mask (images), or the config sets a `cache_implementation` or expands the
-    rows (`expands_rows`). Not reported: the caller's `may_share_prefix` reports what can be known before a chunk."""
+    """The rows of one padded generation chunk that share a prompt (`group_prompts`), or None, not reported (the
+    caller's `may_share_prefix` reports what can be known before a chunk)."""
     if set(chunk) != {"input_ids", "attention_mask"} or expands_rows(generation_config):
         return None
     if getattr(generation_config, "cache_implementation", None) is not None:

@@ -1,10 +1,5 @@
-"""The vLLM engine of `generate_batched` (`use_vllm=True`): colocate or server mode, weight sync, sampling log-probs.
-
-Colocate mode runs one `vllm.LLM` in each training process, started from the policy's config with placeholder weights;
-server mode reaches a separately started server over HTTP (`generation/vllm_server.py`). Each group's prompt is sent
-once with `n=G`; log-probs are the sampled tokens' after temperature (read by `online/importance_sampling.py`); and
-`sync_weights` sends the weights once per generation round (full, PEFT, ZeRO-3, FSDP). See docs/vllm.md.
-"""
+"""The vLLM engine of `generate_batched` (`use_vllm=True`): colocate mode here, server mode in vllm_server.py; each
+group's prompt sent once with `n=G`, the sampled tokens' log-probs after temperature, weight sync. See docs/vllm.md."""
 
 import contextlib
 import importlib.util

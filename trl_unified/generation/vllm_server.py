@@ -1,11 +1,5 @@
-"""vLLM's server mode (`vllm_mode="server"`): a separately started OpenAI-compatible vLLM server, reached over HTTP.
-
-Each process sends its own prompts (no collective): token ids in, token ids and the sampled tokens' log-probs out.
-Weights reach the server as a safetensors folder it reloads (`vllm_weight_transfer="checkpoint"`) or through vLLM's
-NCCL weight-transfer engine (`"nccl"`). A reload never overlaps a generation request (`VLLMEngine.lock`, held by every
-process before the main process reloads). An unreachable server is retried with backoff and, once it answers, gets
-the last synced weights before the interrupted request is sent again. See docs/vllm.md.
-"""
+"""vLLM's server mode (`vllm_mode="server"`): a separately started OpenAI-compatible vLLM server, reached over HTTP
+(token ids in, token ids and log-probs out); weight sync, and faults, as docs/vllm.md ("Modes", "Faults") describes."""
 
 import contextlib
 import json

@@ -1,13 +1,8 @@
 # Copyright 2026 The trl_unified authors. Licensed under the Apache License, Version 2.0.
-"""`trl-unified distillation`: TRL's distillation script with trl_unified's classes (`scripts/trl_scripts.py`):
-
-    trl-unified distillation --model_name_or_path <student> --teacher_model_name_or_path <teacher> \\
-        --dataset_name <prompts dataset> --max_completion_length 128 --beta 0.5 --output_dir distilled
-
-With no model and no config, an offline demo on CPU: a tiny student and a larger tiny teacher (same word-level
-tokenizer, a sharpened random teacher) built locally, synthetic prompts and a held-out split; it prints the held-out
-divergence before and after training. `examples/distill.py` distils SmolLM2-135M-Instruct instead.
-"""
+"""`trl-unified distillation`: TRL's distillation script with trl_unified's classes (`scripts/trl_scripts.py`; usage:
+docs/cli.md), or with no model and no config an offline demo on CPU: a tiny student and a larger, sharpened tiny
+teacher (one word-level tokenizer) built locally, synthetic prompts and a held-out split; it prints the held-out
+divergence before and after training. `examples/distill.py` distils SmolLM2-135M-Instruct instead."""
 
 import os
 import sys
