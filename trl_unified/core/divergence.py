@@ -186,11 +186,9 @@ class LinearDivergence(torch.autograd.Function):
         with torch.no_grad():
             for start in range(0, n, chunk_size):
                 rows = slice(start, start + chunk_size)
-                h = hidden[rows].to(weight.dtype)
+                h, h_t = hidden[rows].to(weight.dtype), teacher_hidden[rows].to(teacher_weight.dtype)
                 s = F.log_softmax((h @ weight.T).float().mul_(factor), dim=-1)
-                z_t = (teacher_hidden[rows].to(teacher_weight.dtype) @ teacher_weight.T).float().mul_(teacher_factor)
-                t = F.log_softmax(z_t, dim=-1)
-                del z_t
+                t = F.log_softmax((h_t @ teacher_weight.T).float().mul_(teacher_factor), dim=-1)
                 divergence[rows] = jsd_divergence(s, t, beta).sum(-1)
                 p = s.exp()
                 entropy[rows] = -(p * s).sum(-1)

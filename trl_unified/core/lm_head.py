@@ -85,10 +85,9 @@ class HiddenStateHead:
         if "OptimizedModule" in type(model).__name__ or hasattr(bare, "_orig_mod"):
             reason = "the model is compiled (torch.compile)"
         else:
-            try:
+            decoder = head = None
+            with contextlib.suppress(AttributeError, NotImplementedError, ValueError):
                 decoder, head = bare.get_decoder(), bare.get_output_embeddings()
-            except (AttributeError, NotImplementedError, ValueError):
-                decoder = head = None
             if head is None or decoder is None or decoder is bare:
                 reason = f"{type(bare).__name__} has no separate decoder and output embeddings"
             elif _sharded(getattr(head, "weight", None)):
@@ -143,8 +142,7 @@ class HiddenStateHead:
             report_fallback("log-probs", f"{type(bare).__name__}'s forward skips its decoder", "chunked_lm_head")
         if bare not in _VERIFIED:
             with torch.no_grad():
-                ours = self.logits(self.hidden[:, -1:]).float()
-                theirs = model_logits[:, -1:].float()
+                ours, theirs = self.logits(self.hidden[:, -1:]).float(), model_logits[:, -1:].float()
                 _VERIFIED[bare] = ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=1e-3, atol=1e-3)
             if not _VERIFIED[bare]:
                 reason = f"{type(bare).__name__}'s decoder output times its LM head does not give its logits"
@@ -166,12 +164,11 @@ def token_scores(
     """`(log-probs, entropies or None, stats)`, each `(B, C)`, of `targets` `(B, C)` from hidden states `(B, C, H)`.
 
     `logits_fn(h)` gives a chunk's logits `(n, V)`; they are divided by `temperature`, then
-    `log p = z[target] - logsumexp(z)` and `H = logsumexp(z) - sum_v softmax(z)_v z_v` in float32 (the formulas
-    of `selective_log_softmax` and `entropy_from_logits`); `logits_stats(logits (1, n, V), targets (1, n))` runs
-    without grad on each chunk. Chunks of positions (from `_CHUNK_ELEMENTS` and `vocabulary`) are
-    recomputed in the backward when the hidden states require grad and there is more than one chunk: by
-    `LinearTokenScores` where the head is a plain linear layer (`linear`: its weight and scale), else by running
-    each chunk under `checkpoint`."""
+    `log p = z[target] - logsumexp(z)` and `H = logsumexp(z) - sum_v softmax(z)_v z_v` in float32 (the formulas of
+    `selective_log_softmax` and `entropy_from_logits`); `logits_stats(logits (1, n, V), targets (1, n))` runs without
+    grad on each chunk. Chunks of positions (from `_CHUNK_ELEMENTS` and `vocabulary`) are recomputed in the backward
+    when the hidden states require grad and there is more than one chunk: by `LinearTokenScores` where the head is a
+    plain linear layer (`linear`: its weight and scale), else by running each chunk under `checkpoint`."""
     batch, width = targets.shape
     flat_hidden, flat_targets = hidden.reshape(batch * width, -1), targets.reshape(-1)
     chunk_size = max(1, _CHUNK_ELEMENTS // max(1, vocabulary or 1))
@@ -184,8 +181,7 @@ def token_scores(
         weight, scale = linear
         logp, entropy = LinearTokenScores.apply(flat_hidden, weight, flat_targets, scale / temperature, chunk_size,
                                                 compute_entropy, logits_stats, stats_out)  # fmt: skip
-        if not entropy_requires_grad:
-            entropy = entropy.detach()
+        entropy = entropy if entropy_requires_grad else entropy.detach()
         stats = {name: torch.cat(values).view(batch, width) for name, values in stats_out.items()}
         return logp.view(batch, width), entropy.view(batch, width) if compute_entropy else None, stats
     logps, entropies, sinks = [], [], []

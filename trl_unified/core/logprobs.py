@@ -99,11 +99,10 @@ def compute_token_logprobs(
 ) -> TokenLogprobs:
     """Log-probs of the last `logits_to_keep` tokens of `input_ids` under `model`, logits divided by `temperature`.
 
-    By default (`from_hidden_states`) the model projects one position to the vocabulary and the log-probs come from
-    its final hidden states through the LM head in chunks of positions, recomputed in the backward
-    (`core/lm_head.py`): no `(B, C, V)` tensor in the forward or the backward. Otherwise (or where that path cannot
-    reproduce the model's logits) from the model's `logits_to_keep + 1` last logits, log-softmax chunked
-    (`selective_log_softmax`).
+    By default (`from_hidden_states`) the model projects one position to the vocabulary and the log-probs come from its
+    final hidden states through the LM head in chunks of positions, recomputed in the backward (`core/lm_head.py`): no
+    `(B, C, V)` tensor in the forward or the backward. Otherwise (or where that path cannot reproduce the model's
+    logits) from the model's `logits_to_keep + 1` last logits, log-softmax chunked (`selective_log_softmax`).
 
     Args:
         model (`PreTrainedModel`): a causal LM (or PEFT/VLM wrapper) whose forward accepts `logits_to_keep`.
@@ -187,8 +186,7 @@ def _score_rows(model, head: HiddenStateHead | None, inputs, scoring: dict, scor
     outputs = _forward(
         model, input_ids, attention_mask, logits_to_keep, logits_to_keep + 1, shared_prefix, positions, kwargs
     )
-    logits = outputs.logits[:, -(logits_to_keep + 1) : -1, :]
-    return _scores_from_logits(logits, targets, **scoring), outputs, None
+    return _scores_from_logits(outputs.logits[:, -(logits_to_keep + 1) : -1, :], targets, **scoring), outputs, None
 
 
 def compute_shared_logprobs(
@@ -265,8 +263,7 @@ def _score_packed(model, head: HiddenStateHead | None, packed: PackedRows, kwarg
         with head.capture():
             outputs = model(**inputs, logits_to_keep=1)
         if head.matches(outputs.logits):
-            hidden = head.hidden[:, packed.source]  # (1, M, H)
-            vocabulary = outputs.logits.size(-1)
+            hidden, vocabulary = head.hidden[:, packed.source], outputs.logits.size(-1)  # (1, M, H), V
             scores = token_scores(hidden, targets, head.logits, vocabulary=vocabulary, linear=head.linear(), **scoring)
             return _place(scores, packed.scatter), outputs, head
     outputs = model(**inputs, logits_to_keep=packed.source)

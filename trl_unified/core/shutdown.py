@@ -6,6 +6,7 @@ registered at import, so later ones (W&B's) run first; it runs logging's and mul
 
 import atexit
 import builtins
+import contextlib
 import gc
 import logging
 import os
@@ -68,10 +69,8 @@ def _shutdown() -> None:
     if "multiprocessing.util" in sys.modules:  # its exit handler: child processes and finalizers
         sys.modules["multiprocessing.util"]._exit_function()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):  # a closed or detached stream has nothing left to write
             stream.flush()
-        except Exception:  # a closed or detached stream has nothing left to write
-            pass
     os._exit(code)
 
 
@@ -81,12 +80,9 @@ def _gloo_threads_alive() -> bool:
     if not os.path.isdir(tasks):
         return False
     for task in os.listdir(tasks):
-        try:
-            with open(os.path.join(tasks, task, "comm")) as f:
-                if f.read().startswith(("pt_gloo", "gloo_")):
-                    return True
-        except OSError:  # the thread ended meanwhile
-            continue
+        with contextlib.suppress(OSError), open(os.path.join(tasks, task, "comm")) as f:  # OSError: the thread ended
+            if f.read().startswith(("pt_gloo", "gloo_")):
+                return True
     return False
 
 

@@ -348,8 +348,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         return loss.detach(), *self.prediction_outputs(model, inputs, outputs)
 
     def prediction_outputs(self, model, inputs, outputs):
-        """`(logits, labels)` handed to `compute_metrics`: by default the loss forward's logits and the batch's
-        labels."""
+        """`(logits, labels)` for `compute_metrics`: by default the loss forward's logits and the batch's labels."""
         return (outputs.logits.detach(), inputs.get("labels")) if outputs is not None else (None, None)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
@@ -357,8 +356,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         if has_iterable(eval_dataset):  # passed here, after the accelerator was built: read as rows, per process
             self.accelerator.dataloader_config.dispatch_batches = False
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if isinstance(dataset, str):
-            dataset = self.eval_dataset[dataset]
+        dataset = self.eval_dataset[dataset] if isinstance(dataset, str) else dataset
         if not isinstance(dataset, dict):  # a dict recurses into evaluate() once per dataset
             self._pending_eval_metrics = self.evaluate_generations(dataset, metric_key_prefix)
         try:

@@ -173,9 +173,7 @@ def lean_generate(
         length += 1
         if eos_tensor is not None:
             unfinished = unfinished & ~torch.isin(next_tokens, eos_tensor)
-            if not bool(unfinished.any()):
-                break
-        if step == new_tokens - 1:
+        if step == new_tokens - 1 or (eos_tensor is not None and not bool(unfinished.any())):  # last step or all ended
             break
         outputs = model(
             input_ids=ids[:, length - 1 : length],
@@ -185,9 +183,7 @@ def lean_generate(
             **{cache_name: cache},
         )
         next_position = next_position + 1
-    if return_logprobs:
-        return ids[:, :length], logprobs[:, : length - prompt_length]
-    return ids[:, :length]
+    return (ids[:, :length], logprobs[:, : length - prompt_length]) if return_logprobs else ids[:, :length]
 
 
 def _prefill(model, input_ids, attention_mask, positions, cache, cached_length):

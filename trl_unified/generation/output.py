@@ -109,8 +109,7 @@ def cut_after_eos(completion_ids: torch.Tensor, eos_token_ids: Sequence[int], pa
     is_eos = torch.isin(completion_ids, stops)
     has_eos = is_eos.any(dim=1)
     first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), completion_ids.size(1))  # (N,)
-    positions = torch.arange(completion_ids.size(1), device=completion_ids.device).expand_as(completion_ids)
-    mask = (positions <= first_eos.unsqueeze(1)).long()  # (N, C)
+    mask = (torch.arange(completion_ids.size(1), device=completion_ids.device) <= first_eos[:, None]).long()  # (N, C)
     return completion_ids.masked_fill(mask == 0, pad_token_id), mask, ~has_eos
 
 

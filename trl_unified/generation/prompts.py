@@ -192,5 +192,4 @@ def collate_chunk(encoded: list[dict[str, Any]], pad_token_id: int, pad_to_multi
 
 def is_sequence_aligned(value, input_ids) -> bool:
     """Whether a processor output is per prompt token (`(1, len(input_ids))`, e.g. `token_type_ids`)."""
-    length = torch.as_tensor(input_ids).view(-1).numel()
-    return isinstance(value, torch.Tensor) and value.dim() == 2 and value.size(0) == 1 and value.size(1) == length
+    return isinstance(value, torch.Tensor) and value.shape == (1, torch.as_tensor(input_ids).numel())

@@ -47,8 +47,7 @@ def group_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[
         return None
     rows = torch.arange(prompt_ids.size(0), device=prompt_ids.device)
     first = torch.full((num_groups,), prompt_ids.size(0), device=prompt_ids.device, dtype=torch.long)
-    first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # (U,)
-    return first, inverse
+    return first.scatter_reduce(0, inverse, rows, reduce="amin"), inverse  # first: (U,)
 
 
 def common_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int):
@@ -163,10 +162,8 @@ def generation_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def cache_kwarg(model) -> str:
-    """The name under which `model.forward` / `generate` take a KV cache: `cache` (transformers >= 5.2x), else the
-    older `past_key_values`."""
-    base = _base_model(model)
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    """The KV-cache keyword of `model.forward` / `generate`: `cache` (transformers >= 5.2x), else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(_base_model(model).forward).parameters else "past_key_values"
 
 
 def unsupported_reason(model, extra_inputs: dict | None = None) -> str | None:
@@ -213,9 +210,8 @@ def sharing_obstacle(
 
 
 def may_share_prefix(where: str, model, extra_inputs: dict | None = None, *, obstacle=None, **conditions) -> bool:
-    """Whether `where` (e.g. "generation", "log-prob forward") may encode repeated prompts once: no
-    `sharing_obstacle` (`conditions`: its keywords) and no caller's `obstacle`; otherwise the reason is reported once
-    (`report_fallback`)."""
+    """Whether `where` (e.g. "generation", "log-prob forward") may encode repeated prompts once: no `sharing_obstacle`
+    (`conditions`: its keywords) and no caller's `obstacle`; else the reason is reported once (`report_fallback`)."""
     reason = sharing_obstacle(model, extra_inputs, **conditions) or obstacle
     if reason is not None:
         report_fallback(where, reason)

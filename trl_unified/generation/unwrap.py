@@ -23,11 +23,11 @@ def zero3_gathered(parameters):
 
 def fsdp1_class():
     """`torch.distributed.fsdp.FullyShardedDataParallel`, or None where torch has no FSDP."""
-    try:
+    with contextlib.suppress(ImportError):
         from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover
-        return None
-    return FullyShardedDataParallel
+
+        return FullyShardedDataParallel
+    return None  # pragma: no cover
 
 
 @contextlib.contextmanager

@@ -53,12 +53,10 @@ class VLLMServerEngine(VLLMEngine):
     def _wait_until_up(self, timeout: float, phase: str) -> None:
         deadline, delay = time.monotonic() + timeout, 0.5
         while True:
-            try:
+            with contextlib.suppress(*_UNREACHABLE):
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as response:
                     if response.status == 200:
                         return
-            except _UNREACHABLE:
-                pass
             if time.monotonic() >= deadline:
                 hint = (
                     f" Start it first, e.g. `VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --port "
@@ -175,8 +173,7 @@ class VLLMServerEngine(VLLMEngine):
                 pass
             accelerator.wait_for_everyone()
             return
-        if self.transfer is None:
-            self.transfer = NCCLWeightTransfer(self)
+        self.transfer = self.transfer or NCCLWeightTransfer(self)
         accelerator.wait_for_everyone()
         self.transfer.send(list(weights))
 

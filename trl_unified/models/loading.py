@@ -207,7 +207,7 @@ def cast_lm_head_to_fp32(model) -> None:
     head = base.get_output_embeddings()
     if head is None:
         raise ValueError(f"cast_lm_head_to_fp32=True, but {type(base).__name__} has no output embeddings (LM head).")
-    if not isinstance(head, torch.nn.Linear) or type(head) is not torch.nn.Linear:
+    if type(head) is not torch.nn.Linear:
         raise ValueError(
             "`cast_lm_head_to_fp32=True` is not supported when the lm_head carries a PEFT adapter (e.g. "
             "`target_modules` includes `lm_head`). Remove `lm_head` from the adapter's target modules, or set "

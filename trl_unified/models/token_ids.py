@@ -14,10 +14,9 @@ def embedding_rows(model) -> int | None:
     or None when the model has none that can be read."""
     while isinstance(getattr(model, "module", None), nn.Module):  # DDP, DeepSpeed engine
         model = model.module
-    try:
+    embeddings = None
+    with contextlib.suppress(AttributeError, NotImplementedError):
         embeddings = model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        embeddings = None
     rows = getattr(embeddings, "num_embeddings", None)
     if rows is None and isinstance(getattr(embeddings, "weight", None), torch.Tensor):
         weight = embeddings.weight
