@@ -169,12 +169,11 @@ def run_tool_calls(tool_calls: list[dict], tools: list[Callable], event_loop: Ev
             failures += 1
             results.append((call.get("name", "unknown"), {"error": f"Unsupported tool call type: {call['type']}"}))
             continue
-        function = call["function"]
-        name = function["name"]
+        name = call["function"]["name"]
         try:
             if name not in by_name:
                 raise ValueError(f"Tool {name} not found.")
-            result = by_name[name](**function["arguments"])
+            result = by_name[name](**call["function"]["arguments"])
             (coroutines if is_async_callable(by_name[name]) else results).append((name, result))
         except Exception as e:  # the model reads the error and may correct itself: training goes on
             failures += 1

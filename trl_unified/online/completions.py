@@ -14,8 +14,7 @@ from .agents import run_tool_calls, tool_suffix_ids
 
 
 class SampledCompletions(NamedTuple):
-    """What `_generate` returns (`completions` as the reward functions see them; `logprobs_are_policy`: the output's
-    log-probs are the trained policy's own, not another engine's, e.g. vLLM's)."""
+    """What `_generate` returns: the fields of `Samples` (`online/rollout.py`), and a `rollout_func`'s extra keys."""
 
     generation: GenerationOutput
     completions: list

@@ -88,6 +88,13 @@ def value_mask(completion_mask: torch.Tensor) -> torch.Tensor:
     return ((completion_mask + shifted) > 0).to(completion_mask.dtype)
 
 
+def last_hidden_states(model: nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
+    """`(B, T, H)`: the last hidden states of a sequence classifier's backbone (`base_model_prefix`), without cache."""
+    backbone = getattr(model, model.base_model_prefix)
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return out.last_hidden_state
+
+
 class ValueHead:
     """The critic's plumbing around a value model (a sequence classifier: a backbone and a `score` head): its value
     per position, computed inside the policy's forward when requested. It holds no parameters: the value model itself
@@ -100,8 +107,7 @@ class ValueHead:
                 f"value_model is a {type(model).__name__}: it needs a backbone (`base_model_prefix`) and a `score` "
                 "head, as AutoModelForSequenceClassification.from_pretrained(path, num_labels=1) has."
             )
-        self.model, self.rows = model, embedding_rows(model)
-        self._pending, self.values = None, None
+        self.model, self.rows, self._pending, self.values = model, embedding_rows(model), None, None
 
     def forward_alongside(self, policy: nn.Module) -> None:
         """Install the hook that runs the critic inside the policy's forward when requested (`request_values`): under
@@ -110,8 +116,7 @@ class ValueHead:
         def hook(module, args, kwargs, output):
             if self._pending is not None and kwargs.get("input_ids") is not None:
                 width, self._pending = self._pending, None
-                ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
-                positions = kwargs.get("position_ids")
+                ids, mask, positions = kwargs["input_ids"], kwargs["attention_mask"], kwargs.get("position_ids")
                 self.values = self(ids, mask, position_ids_from_mask(mask) if positions is None else positions, width)
 
         policy.register_forward_hook(hook, with_kwargs=True)
@@ -129,13 +134,8 @@ class ValueHead:
     def __call__(self, input_ids, attention_mask, position_ids, logits_to_keep: int) -> torch.Tensor:
         """Values `(B, C)` of the states before each of the last `logits_to_keep` tokens (hidden padding beyond the
         value model's embedding table read as 0, `models/token_ids.py`)."""
-        backbone = getattr(self.model, self.model.base_model_prefix)
-        hidden = backbone(
-            input_ids=mask_padding(input_ids, attention_mask, self.rows),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-        ).last_hidden_state
+        ids = mask_padding(input_ids, attention_mask, self.rows)
+        hidden = last_hidden_states(self.model, ids, attention_mask, position_ids)
         states = hidden[:, -(logits_to_keep + 1) : -1]  # (B, C, H): the state before each completion token
         return self.model.score(states).squeeze(-1).float()
 

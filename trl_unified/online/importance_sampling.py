@@ -107,9 +107,7 @@ def importance_sampling_ratio(
     if mode not in IS_MODES:
         raise ValueError(f"Unknown vLLM importance sampling mode {mode!r}: expected one of {list(IS_MODES)}.")
     diff = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)
-    if mode.startswith("sequence"):
-        diff = diff.sum(dim=-1, keepdim=True)
-    ratio = torch.exp(diff)
+    ratio = torch.exp(diff.sum(dim=-1, keepdim=True) if mode.startswith("sequence") else diff)
     if mode.endswith("truncate"):
         return torch.clamp(ratio, min=clip_min, max=clip_max)
     low = clip_min if clip_min is not None else -math.inf

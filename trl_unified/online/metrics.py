@@ -30,9 +30,8 @@ class OnlineMetricsMixin:
         self.log_metric("num_tokens", self.state.num_input_tokens_seen)
         terminated = lengths[truncated == 0] if (truncated == 0).any() else torch.zeros(1, device=lengths.device)
         for name, values in (("", lengths), ("terminated_", terminated)):
-            self.log_metric(f"completions/mean_{name}length", values.mean().item())
-            self.log_metric(f"completions/min_{name}length", values.min().item())
-            self.log_metric(f"completions/max_{name}length", values.max().item())
+            for stat, reduce in (("mean", torch.mean), ("min", torch.min), ("max", torch.max)):
+                self.log_metric(f"completions/{stat}_{name}length", reduce(values).item())
         self.log_metric("completions/clipped_ratio", truncated.mean().item())
 
     def _log_reward_metrics(self, rewards_per_func, rewards):

@@ -23,6 +23,11 @@ def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return torch.where(count > 1, variance, torch.full_like(variance, float("nan"))).sqrt()
 
 
+def as_list(value) -> list:
+    """A list or tuple as a list, None as `[]`, anything else as `[value]` (one reward function or class)."""
+    return list(value) if isinstance(value, (list, tuple)) else [] if value is None else [value]
+
+
 def _name_of(func) -> str:
     if isinstance(func, nn.Module):
         return model_id_of(func).rstrip("/").split("/")[-1]
@@ -53,8 +58,7 @@ class RewardFunctions:
     (or ids) whose single logit, on `prompt + completion` in their own tokenizer, is the reward."""
 
     def __init__(self, reward_funcs, reward_processing_classes, reward_weights, args, extra_funcs=()):
-        funcs = reward_funcs if reward_funcs is not None else []
-        funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs]
+        funcs = as_list(reward_funcs)
         if not funcs and not extra_funcs:
             raise ValueError(
                 "No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose environment "
@@ -77,8 +81,7 @@ class RewardFunctions:
         self.funcs += [func for _, func in extra_funcs]  # e.g. environment-owned rewards: weight 1,
         self.names += [name for name, _ in extra_funcs]  # named after their source
         self.processing_classes += [None] * len(extra_funcs)
-        weights += [1.0] * len(extra_funcs)
-        self.weights = torch.tensor(weights, dtype=torch.float32)
+        self.weights = torch.tensor(weights + [1.0] * len(extra_funcs), dtype=torch.float32)
         self._loop = EventLoopThread() if any(is_async_callable(f) for f in self.funcs) else None
 
     @staticmethod
@@ -93,9 +96,7 @@ class RewardFunctions:
         )
 
     def _processing_classes(self, classes, args):
-        if classes is None:
-            classes = [None] * len(self.funcs)
-        classes = list(classes) if isinstance(classes, (list, tuple)) else [classes]  # one class: one function
+        classes = [None] * len(self.funcs) if classes is None else as_list(classes)  # one class: one function
         if len(classes) != len(self.funcs):
             raise ValueError(
                 f"The number of reward processing classes ({len(classes)}) must match the number of reward functions "
@@ -157,8 +158,7 @@ class RewardFunctions:
         for row, v in enumerate(values):
             v = float("nan") if v is None else float(v)
             if math.isinf(v):
-                # An infinite reward makes every advantage of its group infinite or NaN and the weights NaN after one
-                # step. It is a bug in the function, not a score: stop before it reaches the optimiser.
+                # a bug in the function, not a score: one step would make its group's advantages, then the weights, NaN
                 raise ValueError(
                     f"Reward function {name!r} returned {v} for completion {row}. Rewards must be finite floats, or "
                     "None (NaN) for 'not applicable'. Clip the value in the function (e.g. to a large finite bound)."
@@ -249,7 +249,7 @@ class TokenIdsRewardModel:
     @torch.no_grad()
     def __call__(self, prompts, completions, completion_ids, prompt_ids, **kwargs) -> list[float]:
         from ..data.datasets import pad
-        from .critic import position_ids_from_mask
+        from .critic import last_hidden_states, position_ids_from_mask
 
         device = next(self.model.parameters()).device
         rows = [torch.tensor(p + c, dtype=torch.long) for p, c in zip(prompt_ids, completion_ids, strict=True)]
@@ -257,12 +257,6 @@ class TokenIdsRewardModel:
         attention_mask = pad([torch.ones_like(r) for r in rows], 0, "right").to(device)
         check_ids_in_table(input_ids, attention_mask, self.rows, "A scored row", "the reward model's")
         model = self.model.module if hasattr(self.model, "module") else self.model
-        backbone = getattr(model, model.base_model_prefix)
-        hidden = backbone(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-        ).last_hidden_state
+        hidden = last_hidden_states(model, input_ids, attention_mask, position_ids_from_mask(attention_mask))
         last = (attention_mask.sum(1) - 1).clamp(min=0)  # (B,): last completion token (last prompt token if empty)
         return model.score(hidden[torch.arange(hidden.size(0), device=device), last]).squeeze(-1).float().tolist()

@@ -94,9 +94,7 @@ class RolloutBatch(TensorBatch):
     @classmethod
     def from_samples(cls, samples: Samples, mask_truncated_completions: bool = False) -> "RolloutBatch":
         """The batch of `samples`, before scoring (`rewards` / `row_index` are filled in by `finish`). With
-        `mask_truncated_completions`, a completion that hit the length limit without EOS is masked out whole. The
-        sampling log-probs are π_old when they are the policy's own (`samples.logprobs_are_policy`), else
-        `sampling_logps` (another engine's, e.g. vLLM's)."""
+        `mask_truncated_completions`, a completion that hit the length limit without EOS is masked out whole."""
         out, policy = samples.generation, samples.logprobs_are_policy
         completion_mask = out.completion_mask
         if mask_truncated_completions:
@@ -144,9 +142,8 @@ class RolloutBatch(TensorBatch):
         if self.visual_inputs:
             device = input_ids.device
             extra = {k: torch.cat([row[k] for row in self.visual_inputs]).to(device) for k in self.visual_inputs[0]}
-        width = self.completion_ids.size(1)
         for key, value in self.prompt_token_inputs.items():
-            extra[key] = torch.cat([value, value.new_zeros(value.size(0), width)], dim=1)
+            extra[key] = torch.cat([value, value.new_zeros(value.size(0), self.completion_ids.size(1))], dim=1)
         return input_ids, attention_mask, extra
 
 
@@ -171,8 +168,7 @@ class RolloutPlan:
         """TRL's rule: π_old only when the policy can change between generation and a use of the batch, i.e. when an
         optimiser step falls inside one generation round (`gradient_accumulation_steps % (steps_per_generation *
         num_iterations) != 0`); in training only."""
-        window = args.steps_per_generation * args.num_iterations
-        return cls(args.gradient_accumulation_steps % window != 0, False)
+        return cls(args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations) != 0, False)
 
     def needs_old_logps(self, mode: str) -> bool:
         return self.old_logps_train if mode == "train" else self.old_logps_eval

@@ -103,8 +103,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         factory = self._environment_factory
         self._env = Environments(factory, self._standalone_tools) if factory is not None else None
         self.tools = list(self._standalone_tools)
-        if self._env is not None:
-            self.tools += [m for tools in self._env.tools.values() for m in tools if m not in self.tools]
+        self.tools += [m for tools in self._env_tools.values() for m in tools if m not in self.tools]
         if (self.tools or factory) and not supports_tool_calling(self.processing_class):
             raise ValueError(
                 "The provided chat template does not support tool calling. The template must be able to render a "
@@ -172,9 +171,8 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
 
     def build_rewards(self) -> RewardFunctions | None:
         """The reward functions (TRL's `reward_funcs`, reward models loaded and frozen, environment rewards)."""
-        funcs, classes = self._reward_sources
         extra = self._env.reward_funcs if self._env is not None else ()
-        rewards = RewardFunctions(funcs, classes, self.args.reward_weights, self.args, extra_funcs=extra)
+        rewards = RewardFunctions(*self._reward_sources, self.args.reward_weights, self.args, extra_funcs=extra)
         for i, reward_model in rewards.models():
             rewards.funcs[i] = prepare_frozen_model(reward_model.requires_grad_(False), self.accelerator)
         return rewards
@@ -183,17 +181,15 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         """Correct `batch` for its sampling engine once π_old is known (default: nothing)."""
 
     def generation_options(self) -> dict[str, Any]:
-        continuous_batching = None
-        if self.args.use_transformers_continuous_batching:
+        continuous_batching, batching = None, self.args.use_transformers_continuous_batching
+        if batching:
             from transformers.generation import ContinuousBatchingConfig
 
             kwargs = self.args.transformers_continuous_batching_config or {}
             continuous_batching = ContinuousBatchingConfig(**{"max_memory_percent": 0.5, **kwargs})  # TRL's default
-        config, batching = self.make_generation_config(), self.args.use_transformers_continuous_batching
+        conditions = dict(generation_config=self.make_generation_config(), continuous_batching=batching)
         with torch.no_grad():  # generation runs without grad (and with checkpointing off)
-            shared = self.uses_shared_prefix(
-                self.model, "generation", generation_config=config, continuous_batching=batching
-            )
+            shared = self.uses_shared_prefix(self.model, "generation", **conditions)
         return {
             "shared_prefix": shared,
             "gather_deepspeed3_params": self.args.ds3_gather_for_generation,

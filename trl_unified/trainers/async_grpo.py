@@ -79,8 +79,7 @@ class AsyncGRPOConfig(ImportanceSamplingConfig, OnlineConfig):
 
 
 class AsyncGRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
-    """Asynchronous GRPO (see the module docstring). TRL 1.16's constructor; the online core's other arguments are
-    trl_unified additions, keyword-only."""
+    """Asynchronous GRPO (see the module docstring). TRL 1.16's constructor, plus the online core's arguments."""
 
     _name = "AsyncGRPO"
     _tag_names = ["trl", "async-grpo", "trl_unified"]

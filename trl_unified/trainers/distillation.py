@@ -197,9 +197,8 @@ class DistillationTrainer(OnlineTrainer):
         completion_ids, completion_mask = get("completion_ids"), get("completion_mask")
         mask = completion_mask if get("tool_mask") is None else completion_mask * get("tool_mask")
         if model.training and not isinstance(inputs, dict):  # the generation batch's count, one optimiser step's share
-            accumulation = self.current_gradient_accumulation_steps
-            num_items_in_batch = max(inputs.num_loss_tokens, 1.0) / self.accelerator.num_processes
-            num_items_in_batch = num_items_in_batch * accumulation / self.args.steps_per_generation
+            tokens = max(inputs.num_loss_tokens, 1.0) / self.accelerator.num_processes
+            num_items_in_batch = tokens * self.current_gradient_accumulation_steps / self.args.steps_per_generation
         elif model.training and get("num_items_in_batch") is not None:
             num_items_in_batch = get("num_items_in_batch").clamp(min=1.0) / self.accelerator.num_processes
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -218,9 +217,8 @@ class DistillationTrainer(OnlineTrainer):
         if self.args.chunked_lm_head:
             student, teacher = HiddenStateHead.of(model), HiddenStateHead.of(self.teacher_model)
         if student is not None and teacher is not None:
-            layout = None
-            if all(self.uses_shared_prefix(m, "distillation forward") for m in (model, self.teacher_model)):
-                layout = common_prefix(input_ids, attention_mask, input_ids.size(1) - width)
+            shared = all(self.uses_shared_prefix(m, "distillation forward") for m in (model, self.teacher_model))
+            layout = common_prefix(input_ids, attention_mask, input_ids.size(1) - width) if shared else None
             # The frozen teacher first, its float32 CPU linear weights packed once for the pass (freed before the
             # student's activations exist): each product would otherwise repack its weight (generation/packed_weights)
             with torch.no_grad(), packed_linear_weights(teacher.decoder, input_ids.numel()):

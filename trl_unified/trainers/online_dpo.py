@@ -66,8 +66,7 @@ class OnlineDPOConfig(OnlineConfig):
 
 
 class OnlineDPOTrainer(OnlineTrainer):
-    """Online DPO (see the module docstring). TRL 1.16's constructor; the online core's other arguments are
-    trl_unified additions, keyword-only."""
+    """Online DPO (see the module docstring). TRL 1.16's constructor, plus the online core's arguments."""
 
     _name = "Online DPO"
     _tag_names = ["trl", "online-dpo", "trl_unified"]

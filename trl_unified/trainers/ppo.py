@@ -32,7 +32,7 @@ from ..online.critic import (
     score_positions,
     value_mask,
 )
-from ..online.rewards import TokenIdsRewardModel
+from ..online.rewards import TokenIdsRewardModel, as_list
 from ..online.rollout import RolloutBatch, RolloutPlan
 from ..online.trainer import OnlineTrainer
 
@@ -136,8 +136,7 @@ class PPOConfig(OnlineConfig):
 
 
 class PPOTrainer(CriticMixin, OnlineTrainer):
-    """PPO with a value model (see the module docstring). TRL 1.12's constructor; `reward_funcs` and the online
-    core's other arguments are trl_unified additions, keyword-only."""
+    """PPO with a value model (see the module docstring). TRL 1.12's constructor, plus the online core's arguments."""
 
     _name = "PPO"
     config_class = PPOConfig
@@ -199,9 +198,8 @@ class PPOTrainer(CriticMixin, OnlineTrainer):
     def setup(self) -> None:
         if self._reward_model is not None:  # TRL's reward model: a scorer of the policy's token ids
             funcs, classes = self._reward_sources
-            funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [] if funcs is None else [funcs]
             scorer = TokenIdsRewardModel.build(self._reward_model, self.model, self.processing_class, self.accelerator)
-            self._reward_sources = ([*funcs, scorer], None if classes is None else [*classes, None])
+            self._reward_sources = ([*as_list(funcs), scorer], None if classes is None else [*classes, None])
         super().setup()
         self.attach_critic(self._value_source)
         args, stop = self.args, self.args.stop_token_id
