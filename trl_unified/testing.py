@@ -172,21 +172,10 @@ def build_vision_language_model(words: list[str] | None = None, seed: int = 0, v
             chat_template=VL_CHAT_TEMPLATE,
         )
     ids = tokenizer.convert_tokens_to_ids
-    text = dict(_common(tokenizer, 32, 2), rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
-    vision = dict(
-        depth=1,
-        embed_dim=32,
-        hidden_size=32,
-        num_heads=2,
-        mlp_ratio=2,
-        patch_size=14,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        in_chans=3,
-    )
     config = Qwen2VLConfig(
-        text_config=text,
-        vision_config=vision,
+        text_config=dict(_common(tokenizer, 32, 2), rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+        # Qwen2-VL's default patch_size=14, spatial_merge_size=2 and temporal_patch_size=2, as the image processor's
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, in_chans=3),
         image_token_id=ids("<|image_pad|>"),
         video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"),

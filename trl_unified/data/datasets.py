@@ -53,9 +53,8 @@ def get_videos(row: dict[str, Any]) -> list | None:
 
 def column_names(dataset) -> list[str] | None:
     """Column names of a `Dataset`/`IterableDataset` (None when an iterable dataset does not know them)."""
-    if isinstance(dataset, (Dataset, IterableDataset)):
-        return list(dataset.column_names) if dataset.column_names is not None else None
-    return None
+    names = dataset.column_names if isinstance(dataset, (Dataset, IterableDataset)) else None
+    return list(names) if names is not None else None
 
 
 def require_columns(dataset, required: Sequence[Sequence[str]], dataset_name: str, trainer_name: str) -> None:

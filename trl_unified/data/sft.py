@@ -25,12 +25,9 @@ def tokenize_sft_row(row: dict[str, Any], index: int, processing_class, args) ->
     """`input_ids` and `completion_mask` (1 on tokens that carry the loss) of one text row, truncated."""
     prompt, completion = split_prompt_completion(row, args.dataset_text_field)
     if args.assistant_only_loss and row.get("messages"):
+        template_kwargs = args.chat_template_kwargs or {}
         out = get_tokenizer(processing_class).apply_chat_template(
-            row["messages"],
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-            **(args.chat_template_kwargs or {}),
+            row["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **template_kwargs
         )
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
         if not any(mask):
@@ -42,9 +39,8 @@ def tokenize_sft_row(row: dict[str, Any], index: int, processing_class, args) ->
         prompt_ids, completion_ids = tokenize_prompt_completion(
             processing_class, prompt, completion, args.chat_template_kwargs, args.eos_token
         )
-        only_completion = args.completion_only_loss is not False and bool(prompt_ids)
         ids = prompt_ids + completion_ids
-        mask = [0 if only_completion else 1] * len(prompt_ids) + [1] * len(completion_ids)
+        mask = [0 if args.completion_only_loss is not False else 1] * len(prompt_ids) + [1] * len(completion_ids)
     if args.max_length is not None and len(ids) > args.max_length:
         keep = slice(None, args.max_length) if args.truncation_mode == "keep_start" else slice(-args.max_length, None)
         ids, mask = ids[keep], mask[keep]

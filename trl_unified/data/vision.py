@@ -29,7 +29,6 @@ def prepare_visual_messages(messages, images=None, videos=None) -> list[dict[str
     content = messages[first_user]["content"]
     n = sum(1 for part in content if part.get("type") == "image")  # the video parts go after the image parts
     parts = [{"type": "video"} for _ in videos]
-    messages = list(messages)
     messages[first_user] = {**messages[first_user], "content": [*content[:n], *parts, *content[n:]]}
     return messages
 
@@ -60,8 +59,7 @@ def _frame(value):
 
 
 def as_video(value):
-    """A video as the processor takes it: a path as is, a list of PIL frames as PIL frames, anything else as an
-    array."""
+    """A video as the processor takes it: a path as is, a list of PIL frames as PIL frames, else an array."""
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value and (isinstance(value[0], dict) or hasattr(value[0], "convert")):
@@ -71,8 +69,7 @@ def as_video(value):
 
 
 def processor_visual_kwargs(images: list[list], videos: list[list] | None = None) -> dict[str, Any]:
-    """`images=` / `videos=` for one processor call over a batch (None where no row has any: processors need at
-    least one)."""
+    """`images=` / `videos=` for a batch's processor call (None if no row has any: a processor needs at least one)."""
     kwargs = {"images": images if any(images) else None}
     if videos is not None and any(videos):
         kwargs["videos"] = [as_video(video) for row in videos for video in row]

@@ -64,11 +64,9 @@ def extract_answer(text: str, extractor: str | Callable[[str], str | None] = "ta
     if callable(extractor):
         return normalize_answer(extractor(text))
     if extractor.startswith("regex:"):
-        matches = list(re.finditer(extractor[len("regex:") :], text, re.DOTALL))
-        if not matches:
-            return None
-        last = matches[-1]
-        return normalize_answer(last.group(1) if last.groups() else last.group(0))
+        pattern = extractor.removeprefix("regex:")
+        answers = [m.group(1) if m.groups() else m.group(0) for m in re.finditer(pattern, text, re.DOTALL)]
+        return normalize_answer(answers[-1] if answers else None)
     return normalize_answer(ANSWER_EXTRACTORS[extractor](text))
 
 
@@ -85,10 +83,9 @@ def _as_number(answer: str | None) -> float | None:
 
 
 def reference_answers(value, where: str = "reference answer") -> list[str] | None:
-    """A reference answer as the normalised strings it accepts: a string (or a number, as a pandas column with
-    a missing value turns integers into floats) is one answer; a list or tuple lists aliases, any of which is
-    correct; None (or an empty list) means the row has no reference. Anything else raises a `TypeError` naming
-    `where`."""
+    """A reference answer as the normalised strings it accepts: a string (or a number, as a pandas column with a
+    missing value turns integers into floats) is one answer; a list or tuple lists aliases, any of which is correct;
+    None (or an empty list) means the row has no reference. Anything else raises a `TypeError` naming `where`."""
     if value is None:
         return None
     if isinstance(value, bool):

@@ -94,8 +94,7 @@ class GenerativeEvalMixin:
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"{prefix}-step{self.state.global_step}.jsonl")
         with open(path, "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+            f.writelines(json.dumps(record, ensure_ascii=False, default=str) + "\n" for record in records)
         self.last_eval_records_path = path
         logger.warning(f"Generative evaluation: {len(records)} records written to {path}")
         report_to, sample = self.args.report_to or [], records[:32]  # a sample table for W&B and TensorBoard
@@ -107,12 +106,11 @@ class GenerativeEvalMixin:
                 rows = [[str(r[c]) for c in columns] for r in sample]
                 wandb.log({f"{prefix}_samples": wandb.Table(columns=columns, data=rows)})
         if "tensorboard" in report_to:
+            text = "\n\n".join(
+                f"**{r['index']}** correct={r['correct']} predicted={r['predicted']!r} "
+                f"reference={r['reference']!r}\n\n{r['generation']}"
+                for r in sample
+            )
             for callback in self.callback_handler.callbacks:
-                writer = getattr(callback, "tb_writer", None)
-                if writer is not None:
-                    text = "\n\n".join(
-                        f"**{r['index']}** correct={r['correct']} predicted={r['predicted']!r} "
-                        f"reference={r['reference']!r}\n\n{r['generation']}"
-                        for r in sample
-                    )
-                    writer.add_text(f"{prefix}_samples", text, self.state.global_step)
+                if getattr(callback, "tb_writer", None) is not None:
+                    callback.tb_writer.add_text(f"{prefix}_samples", text, self.state.global_step)

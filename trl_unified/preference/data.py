@@ -1,7 +1,6 @@
 """Offline preference data, shared by DPO and KTO: TRL's dataset formats, tokenisation, and the typed batches and
 collators (paired chosen/rejected rows; unpaired completion/label rows with KTO's mismatched KL rows). The formats,
-tokenisation and dropped rows are TRL's: docs/dpo.md and docs/kto.md ("Datasets").
-"""
+tokenisation and dropped rows are TRL's: docs/dpo.md and docs/kto.md ("Datasets")."""
 
 import dataclasses
 import logging
@@ -71,17 +70,15 @@ def split_completions_with_images(row: dict, processing_class, keys: tuple[str, 
     template_kwargs = dict(row.get("chat_template_kwargs") or {})
     images, videos, tokenizer = get_images(row) or [], get_videos(row) or [], get_tokenizer(processing_class)
 
+    def render(messages, **options):
+        return render_conversation(processing_class, messages, images, videos, **options, **template_kwargs)
+
     def ids(text):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    prompt_text = render_conversation(
-        processing_class, row["prompt"], images, videos, add_generation_prompt=True, **template_kwargs
-    )
+    prompt_text = render(row["prompt"], add_generation_prompt=True)
     prompt_ids = ids(prompt_text)
-    full = {
-        key: ids(render_conversation(processing_class, row["prompt"] + row[key], images, videos, **template_kwargs))
-        for key in keys
-    }
+    full = {key: ids(render(row["prompt"] + row[key])) for key in keys}
     prompt_len = _divergence(prompt_ids, full, tokenizer)
     if prompt_len < len(prompt_ids):
         prompt_text = tokenizer.decode(prompt_ids[:prompt_len])

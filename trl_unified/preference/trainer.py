@@ -155,9 +155,7 @@ class PreferenceTrainer(PolicyTrainerBase):
     def check_columns(self, dataset, name: str) -> None:
         """Raise, before training, when the rows lack the columns this trainer needs."""
         names = set(dataset_columns(dataset))
-        if "prompt_ids" in names:
-            return
-        if not any(set(option) <= names for option in self.required_columns):
+        if "prompt_ids" not in names and not any(set(option) <= names for option in self.required_columns):
             wanted = " or ".join("/".join(option) for option in self.required_columns)
             raise ValueError(
                 f"The {name} dataset has columns {sorted(names)}, but {type(self).__name__} needs {wanted} "
