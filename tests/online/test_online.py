@@ -48,6 +48,9 @@ def test_rollout_batch_select_split_and_model_inputs():
     shuffled = batch.shuffled()
     order = shuffled.row_index
     assert sorted(order.tolist()) == [0, 1, 2, 3] and torch.equal(shuffled.rewards, batch.rewards[order])
+    # gather_global puts shuffled rows back in generation order (one process here; 2 processes: test_multiprocess)
+    assert torch.equal(shuffled.gather_global(shuffled.rewards), batch.rewards)
+    assert torch.equal(shuffled.gather_global(shuffled.old_logps), batch.old_logps)
 
 
 # ------------------------------------------------------------------ TRL's attributes

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from accelerate.utils import gather
 
 from ..data.batch import TensorBatch, scalar_field
 from ..generation.output import GenerationOutput, sampled_token_mask
@@ -132,6 +133,14 @@ class RolloutBatch(TensorBatch):
             raise ValueError(f"Cannot split a batch of {len(self)} rows into {num_chunks} equal micro-batches.")
         step = len(self) // num_chunks
         return [self.select(torch.arange(i * step, (i + 1) * step)) for i in range(num_chunks)]
+
+    def gather_global(self, values: torch.Tensor) -> torch.Tensor:
+        """`(N_global, ...)`: per-row `values` `(B, ...)` of every process's rows, in generation order (`row_index`
+        undoes the buffer's shuffling)."""
+        order = gather(self.row_index)
+        out = values.new_empty((order.numel(), *values.shape[1:]))
+        out[order] = gather(values)
+        return out
 
     def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """`(input_ids (B, P+C), attention_mask (B, P+C), extra model inputs)` for a forward over prompt +

@@ -115,15 +115,11 @@ class RLOOTrainer(OnlineTrainer):
         old_logps = (inputs.old_logps * mask).sum(1) if inputs.old_logps is not None else logps.detach()
         advantages = inputs.advantages
         if self.plan.defers_advantages(mode):  # the KL shaping waited for this forward (see `old_logps` above)
-            own = inputs.row_index  # rows may have been shuffled: `row_index` puts every process's rows back in order
-            order = gather(own)
-            rewards = torch.empty(order.numel(), device=order.device)
-            rewards[order] = gather(inputs.rewards)
-            kl = torch.empty_like(rewards)
-            kl[order] = gather(self._sequence_kl(out.logps.detach(), inputs.ref_logps, inputs.loss_mask))
+            kl = self._sequence_kl(out.logps.detach(), inputs.ref_logps, inputs.loss_mask)
+            rewards, kl = inputs.gather_global(torch.stack([inputs.rewards.float(), kl.float()], dim=1)).T.contiguous()
             advantages = self._advantages(rewards, kl, "train")
             self.completion_log.add_advantages(advantages)
-            advantages = advantages[own]
+            advantages = advantages[inputs.row_index]
         ratio = torch.exp(logps - old_logps)  # (B,)
         low, high = self.args.clip_range()
         loss = -torch.min(ratio * advantages, ratio.clamp(low, high) * advantages).mean()
