@@ -179,7 +179,16 @@ def _prepare_fsdp(model, accelerator):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     plugin.set_auto_wrap_policy(model)
-    same_names = ("sharding_strategy", "cpu_offload", "auto_wrap_policy", "sync_module_states", "backward_prefetch")
-    same_names += ("forward_prefetch", "use_orig_params", "limit_all_gathers")  # FSDP keywords named as the plugin's
-    options = {name: getattr(plugin, name) for name in same_names}
-    return FSDP(model, mixed_precision=plugin.mixed_precision_policy, device_id=accelerator.device, **options)
+    return FSDP(
+        model,
+        sharding_strategy=plugin.sharding_strategy,
+        cpu_offload=plugin.cpu_offload,
+        auto_wrap_policy=plugin.auto_wrap_policy,
+        mixed_precision=plugin.mixed_precision_policy,
+        sync_module_states=plugin.sync_module_states,
+        backward_prefetch=plugin.backward_prefetch,
+        forward_prefetch=plugin.forward_prefetch,
+        use_orig_params=plugin.use_orig_params,
+        limit_all_gathers=plugin.limit_all_gathers,
+        device_id=accelerator.device,
+    )

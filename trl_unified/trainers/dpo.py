@@ -115,7 +115,8 @@ class DPOTrainer(PreferenceTrainer):
     def reference_columns(self, batch: PairedBatch):
         sequences = batch.sequences
         ref = self.sequence_logps(self.reference_completion_logps(sequences), sequences.completion_mask[:, 1:])
-        return dict(zip(("ref_chosen_logps", "ref_rejected_logps"), ref.chunk(2), strict=True))
+        chosen, rejected = ref.chunk(2)
+        return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
 
     def compute_policy_loss(self, model, inputs: PairedBatch, num_items_in_batch=None):
         args, sequences = self.args, inputs.sequences
