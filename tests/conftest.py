@@ -87,6 +87,14 @@ def engines(monkeypatch, tokenizer):
     return made
 
 
+def pytest_sessionfinish(session, exitstatus):
+    # pytest ends with `raise SystemExit(status)`; once a test armed core/shutdown.py's exit handler (an in-process
+    # process group: the vllm group), that handler ends the process with the status it was told: tell it this one.
+    from trl_unified.core import shutdown
+
+    shutdown.record_exit_status(int(exitstatus))
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests that launch several processes (the `distributed` marker, and the command-line tests that launch with
     accelerate) share one xdist worker, so that at most one multi-process launch runs at a time on the 2 cores."""

@@ -24,6 +24,9 @@ if mode == "builtin_exit4":
     exit(4)
 if mode == "raise":
     raise RuntimeError("boom")
+if mode == "recorded_systemexit5":  # as pytest ends (tests/conftest.py records the status first)
+    shutdown.record_exit_status(5)
+    raise SystemExit(5)
 """
 
 
@@ -38,7 +41,7 @@ def _free_port() -> int:
 @pytest.mark.parametrize(
     "mode, code",  # a clean end and an exception by default; the sys.exit / builtin exit codes with -m slow
     [("normal", 0), pytest.param("exit3", 3, marks=pytest.mark.slow),
-     pytest.param("builtin_exit4", 4, marks=pytest.mark.slow), ("raise", 1)],
+     pytest.param("builtin_exit4", 4, marks=pytest.mark.slow), ("raise", 1), ("recorded_systemexit5", 5)],
 )  # fmt: skip
 @pytest.mark.distributed  # several processes (a gloo group): one at a time under xdist
 def test_exit_status_and_output_survive_the_shutdown(mode, code, tmp_path):

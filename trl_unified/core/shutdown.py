@@ -41,6 +41,12 @@ def install_distributed_shutdown() -> None:
     _state["active"] = True
 
 
+def record_exit_status(code: int) -> None:
+    """The status this process will end with, for a program that ends with `raise SystemExit(code)` (as `python -m
+    pytest` does), which no hook sees: without it, such an end after a distributed run exits with 0."""
+    _state["exit_code"] = _exit_code_of(code)
+
+
 def release_ddp_wrapper(trainer) -> None:
     """After training, drop the trainer's DDP wrapper (the policy stays) and collect it while the process group is
     alive, so its Reducer is never the last holder of the group (see the module docstring). DeepSpeed and FSDP
