@@ -13,7 +13,7 @@ from statistics import mean
 import pytest
 from transformers import TrainerCallback
 
-from tests.helpers import count_a, grpo_args, prompt_dataset, rloo_args, tiny_run_args
+from tests.helpers import count_a, grpo_args, prompt_dataset, rloo_args, tiny_run_args, varied_reward
 from tests.vllm.test_vllm import HIDDEN, _free_port, assert_trained_and_equal, stop_group, vllm_server
 from trl_unified import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOTrainer, RLOOTrainer
 from trl_unified.testing import build_causal_lm, save_tiny_model
@@ -83,7 +83,9 @@ def test_a_run_rides_through_the_server_being_killed_and_restarted(tokenizer, tm
         args = tiny_run_args(AsyncGRPOConfig, tmp_path / "async", **{**server_settings(port), "max_steps": 6,
                              "num_generations": 4, "max_completion_length": 8, "save_strategy": "steps",
                              "save_steps": 2})  # fmt: skip
-        trainer = AsyncGRPOTrainer(model, count_a, args, prompt_dataset(), tokenizer, callbacks=[killer])
+        # varied_reward: spread on random completions, so every step changes the weights the restarted server must
+        # get (count_a left whole groups at reward 0 in some runs: zero advantages, nothing trained, a flaky check)
+        trainer = AsyncGRPOTrainer(model, varied_reward, args, prompt_dataset(), tokenizer, callbacks=[killer])
         before = {n: p.clone() for n, p in trainer.model.named_parameters()}
         start = time.monotonic()
         trainer.train()
