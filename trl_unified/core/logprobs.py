@@ -189,6 +189,43 @@ def _score_rows(model, head: HiddenStateHead | None, inputs, scoring: dict, scor
     return _scores_from_logits(outputs.logits[:, -(logits_to_keep + 1) : -1, :], targets, **scoring), outputs, None
 
 
+def shift_right(labels: torch.Tensor, decoder_start_token_id: int | None) -> torch.Tensor:
+    """The decoder's inputs for teacher forcing on `labels` `(B, C)`: `decoder_start_token_id`, then the labels but
+    the last (as an encoder-decoder model's own loss does)."""
+    if decoder_start_token_id is None:
+        raise ValueError(
+            "model.config.decoder_start_token_id has to be defined. It is usually set to the pad_token_id."
+        )
+    start = labels.new_full((labels.size(0), 1), decoder_start_token_id)
+    return torch.cat([start, labels[:, :-1]], dim=1)
+
+
+def compute_decoder_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    labels: torch.Tensor,
+    decoder_start_token_id: int | None,
+    compute_entropy: bool = False,
+    output_router_logits: bool = False,
+    logits_stats: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]] | None = None,
+) -> TokenLogprobs:
+    """Per-token log-probs `(B, C)` of an encoder-decoder model's targets: the encoder reads `input_ids` /
+    `attention_mask` `(B, P)`, the decoder the targets `labels` `(B, C)` shifted right (`shift_right`). Padding
+    targets are scored too: mask them. Options as `compute_token_logprobs` (temperature 1)."""
+    kwargs = {"output_router_logits": True} if output_router_logits else {}
+    outputs = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        decoder_input_ids=shift_right(labels, decoder_start_token_id),
+        use_cache=False,
+        **kwargs,
+    )
+    logps, entropy, stats = _scores_from_logits(outputs.logits, labels, 1.0, compute_entropy, False, logits_stats)
+    aux_loss = getattr(outputs, "aux_loss", None) if output_router_logits else None
+    return TokenLogprobs(logps=logps, entropy=entropy, aux_loss=aux_loss, stats=stats)
+
+
 def compute_shared_logprobs(
     model, input_ids, attention_mask, logits_to_keep, detached_rows: int, position_ids=None, **options
 ) -> tuple[TokenLogprobs, torch.Tensor] | None:

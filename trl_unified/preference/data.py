@@ -1,132 +1,24 @@
-"""Offline preference data, shared by DPO and KTO: TRL's dataset formats, tokenisation, and the typed batches and
-collators (paired chosen/rejected rows; unpaired completion/label rows with KTO's mismatched KL rows). The formats,
-tokenisation and dropped rows are TRL's: docs/dpo.md and docs/kto.md ("Datasets")."""
+"""The typed batches and collators of offline preference data: rows with k completions each (chosen/rejected, or
+TPO's chosen/rejected/reference) stacked in blocks (`PairedBatch`), unpaired completion/label rows with KTO's
+mismatched KL rows (`UnpairedBatch`), decoder-only (`SequenceBatch`) or encoder-decoder (`EncoderDecoderSequences`)
+rows, and the layout that encodes each prompt once (`SharedPromptLayout`). Tokenisation: `formats.py`."""
 
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from datasets import Dataset
-from trl import extract_prompt, is_conversational, unpair_preference_dataset
 
 from ..data.batch import TensorBatch, scalar_field
-from ..data.datasets import column_names, get_images, get_videos, pad
-from ..data.vision import EncodedPrompts, encode_visual_prompts, render_conversation
-from ..models.loading import get_tokenizer
-
-
-logger = logging.getLogger(__name__)
-
-
-def common_prefix_length(ids: list[int], other: list[int]) -> int:
-    return next((i for i, (a, b) in enumerate(zip(ids, other)) if a != b), min(len(ids), len(other)))
-
-
-def tokenize(processing_class, value, **template_kwargs) -> list[int]:
-    """Token ids of a text (tokenizer call) or a conversation (chat template)."""
-    if isinstance(value, list):
-        encoded = processing_class.apply_chat_template(value, tokenize=True, return_dict=True, **template_kwargs)
-        return list(encoded["input_ids"])
-    return list(processing_class(text=value)["input_ids"])
-
-
-def split_completions(row: dict, processing_class, keys: tuple[str, ...]) -> dict[str, list[int]]:
-    """`prompt_ids` and one `<key>_ids` per completion key. The completion starts where the tokenised prompt and the
-    tokenised prompt + completion diverge (a chat template may render a prompt alone differently)."""
-    template_kwargs = dict(row.get("chat_template_kwargs") or {})
-    if row.get("tools") is not None:
-        template_kwargs["tools"] = row["tools"]
-    prompt_options = {"add_generation_prompt": True} if isinstance(row["prompt"], list) else {}
-    prompt_ids = tokenize(processing_class, row["prompt"], **template_kwargs, **prompt_options)
-    full = {key: tokenize(processing_class, row["prompt"] + row[key], **template_kwargs) for key in keys}
-    prompt_len = _divergence(prompt_ids, full, get_tokenizer(processing_class))
-    return {"prompt_ids": prompt_ids[:prompt_len], **{f"{key}_ids": ids[prompt_len:] for key, ids in full.items()}}
-
-
-def _divergence(prompt_ids: list[int], full: dict[str, list[int]], tokenizer) -> int:
-    """Where every tokenised prompt + completion leaves the tokenised prompt (its length when it is a prefix)."""
-    prompt_len = min(common_prefix_length(prompt_ids, ids) for ids in full.values())
-    if prompt_len < len(prompt_ids):
-        logger.warning(
-            "The tokenised prompt is not a prefix of the tokenised prompt + completion (chat template or a token "
-            f"merging across the boundary); the completion starts where they diverge, dropping "
-            f"{tokenizer.decode(prompt_ids[prompt_len:])!r} from the prompt, as TRL does."
-        )
-    return prompt_len
-
-
-def split_completions_with_images(row: dict, processing_class, keys: tuple[str, ...]) -> dict[str, Any]:
-    """For a conversational row with images: `prompt_text` (the chat-template text with one placeholder per image,
-    expanded into image tokens when the batch is collated with its images) and one `<key>_ids` per completion key,
-    split where the tokenised prompt and prompt + completion diverge (as `split_completions`)."""
-    if not isinstance(row["prompt"], list):
-        raise ValueError(
-            "Rows with images need conversational prompts (lists of messages), so that the chat template places the "
-            f"image tokens; got a {type(row['prompt']).__name__} prompt."
-        )
-    template_kwargs = dict(row.get("chat_template_kwargs") or {})
-    images, videos, tokenizer = get_images(row) or [], get_videos(row) or [], get_tokenizer(processing_class)
-
-    def render(messages, **options):
-        return render_conversation(processing_class, messages, images, videos, **options, **template_kwargs)
-
-    def ids(text):
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    prompt_text = render(row["prompt"], add_generation_prompt=True)
-    prompt_ids = ids(prompt_text)
-    full = {key: ids(render(row["prompt"] + row[key])) for key in keys}
-    prompt_len = _divergence(prompt_ids, full, tokenizer)
-    if prompt_len < len(prompt_ids):
-        prompt_text = tokenizer.decode(prompt_ids[:prompt_len])
-    return {"prompt_text": prompt_text, **{f"{key}_ids": value[prompt_len:] for key, value in full.items()}}
-
-
-def prepare_preference_dataset(dataset, processing_class, args, name: str, paired: bool, eos_token: str):
-    """TRL's preparation of a preference dataset (see the module docstring). Idempotent: tokenised data is returned
-    as is. `paired=False` unpairs `chosen`/`rejected` rows into `completion`/`label` rows."""
-    if dataset is None or {"prompt_ids", "prompt_text"} & set(column_names(dataset) or next(iter(dataset)).keys()):
-        return dataset
-    map_kwargs = {"num_proc": args.dataset_num_proc} if isinstance(dataset, Dataset) else {}
-    first = next(iter(dataset))
-    if "prompt" not in first:
-        dataset = dataset.map(extract_prompt, **map_kwargs)
-    if not paired and "chosen" in first:
-        dataset = unpair_preference_dataset(dataset, **map_kwargs)
-    keys = ("chosen", "rejected") if paired else ("completion",)
-    fn_kwargs = {"processing_class": processing_class, "keys": keys}
-    if {"images", "image", "videos", "video"} & first.keys():  # media stay in the rows; the collator processes them
-        return dataset.map(split_completions_with_images, fn_kwargs=fn_kwargs, **map_kwargs)
-    if not is_conversational(next(iter(dataset))):
-
-        def add_eos(row):
-            return {key: row[key] if row[key].endswith(eos_token) else row[key] + eos_token for key in keys}
-
-        dataset = dataset.map(add_eos, **map_kwargs)
-    dataset = dataset.map(split_completions, fn_kwargs=fn_kwargs, **map_kwargs)
-    if args.max_length is not None and args.truncation_mode == "keep_start":
-        before = len(dataset) if isinstance(dataset, Dataset) else None
-        dataset = dataset.filter(lambda row: len(row["prompt_ids"]) < args.max_length, **map_kwargs)
-        if before is not None and len(dataset) < before:
-            if len(dataset) == 0:
-                raise ValueError(
-                    f"Every row of the {name} dataset has a prompt of max_length={args.max_length} tokens or more, "
-                    "so no completion token would remain. Raise max_length or shorten the prompts."
-                )
-            logger.warning(
-                f"{before - len(dataset)} of {before} rows of the {name} dataset were dropped: their prompt alone "
-                f"fills max_length={args.max_length}, leaving no completion token (as TRL does). Raise max_length "
-                "to keep them."
-            )
-    return dataset
+from ..data.datasets import get_images, get_videos, pad
+from ..data.vision import EncodedPrompts, encode_visual_prompts
+from .formats import IGNORE_INDEX
 
 
 @dataclass
 class SequenceBatch(TensorBatch):
-    """Prompt + completion rows, right-padded to L positions.
+    """Prompt + completion rows of a decoder-only model, right-padded to L positions.
 
     Fields:
         input_ids (`(B, L)`): prompt tokens then completion tokens, then padding.
@@ -143,6 +35,11 @@ class SequenceBatch(TensorBatch):
     def __len__(self) -> int:
         return self.input_ids.size(0)
 
+    def token_mask(self, include_prompt: bool = False) -> torch.Tensor:
+        """`(B, L - 1)`: the predicted tokens (`input_ids[:, 1:]`) that count: the completion's, or with
+        `include_prompt` every real token but the first (ORPO's NLL)."""
+        return (self.attention_mask if include_prompt else self.completion_mask)[:, 1:]
+
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """The model inputs besides ids and mask: `token_inputs` (`(B, L)`, e.g. `token_type_ids`) and
         `visual_inputs` (the processor's image tensors, laid out per image in row order); empty for text rows."""
@@ -158,12 +55,38 @@ class SequenceBatch(TensorBatch):
             return torch.cat([F.pad(t, (0, width - t.size(1)), value=value) for t in tensors])
 
         return cls(
-            cat([b.input_ids for b in batches], pad_token_id),
-            cat([b.attention_mask for b in batches], 0),
-            cat([b.completion_mask for b in batches], 0),
-            {k: cat([b.token_inputs[k] for b in batches], 0) for k in batches[0].token_inputs},
-            {k: torch.cat([b.visual_inputs[k] for b in batches]) for k in batches[0].visual_inputs},
+            input_ids=cat([b.input_ids for b in batches], pad_token_id),
+            attention_mask=cat([b.attention_mask for b in batches], 0),
+            completion_mask=cat([b.completion_mask for b in batches], 0),
+            token_inputs={k: cat([b.token_inputs[k] for b in batches], 0) for k in batches[0].token_inputs},
+            visual_inputs={k: torch.cat([b.visual_inputs[k] for b in batches]) for k in batches[0].visual_inputs},
         )
+
+
+@dataclass
+class EncoderDecoderSequences(TensorBatch):
+    """Rows of an encoder-decoder model: the prompt goes to the encoder, the completion is the decoder's target.
+
+    Fields:
+        input_ids, attention_mask (`(B, P)`): the encoder's prompt tokens (right-padded) and their mask.
+        labels (`(B, C)`): the completion tokens, right-padded with the pad token.
+        completion_mask (`(B, C)`): 1 on completion tokens.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+    completion_mask: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.size(0)
+
+    def token_mask(self, include_prompt: bool = False) -> torch.Tensor:
+        """`(B, C)`: the decoder's real targets (the prompt is the encoder's input: never predicted)."""
+        return self.completion_mask
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        return {}
 
 
 def pack(
@@ -179,7 +102,32 @@ def pack(
     def padded(rows, value):
         return pad([torch.tensor(r, dtype=torch.long) for r in rows], value, "right", pad_to_multiple_of)
 
-    return SequenceBatch(padded(ids, pad_token_id), padded([[1] * len(r) for r in ids], 0), padded(masks, 0))
+    return SequenceBatch(
+        input_ids=padded(ids, pad_token_id),
+        attention_mask=padded([[1] * len(r) for r in ids], 0),
+        completion_mask=padded(masks, 0),
+    )
+
+
+def pack_encoder_decoder(prompts, completions, pad_token_id, pad_to_multiple_of=None) -> EncoderDecoderSequences:
+    """Encoder prompts and decoder completions (token-id lists, one prompt per completion), right-padded."""
+
+    def padded(rows, value):
+        return pad([torch.tensor(r, dtype=torch.long) for r in rows], value, "right", pad_to_multiple_of)
+
+    return EncoderDecoderSequences(
+        input_ids=padded(prompts, pad_token_id),
+        attention_mask=padded([[1] * len(p) for p in prompts], 0),
+        labels=padded(completions, pad_token_id),
+        completion_mask=padded([[1] * len(c) for c in completions], 0),
+    )
+
+
+def _cuts_prompt(prompt: list[int], completion: list[int], max_length: int, truncation_mode: str) -> bool:
+    """Whether truncating prompt + completion to `max_length` from `truncation_mode`'s side removes prompt tokens."""
+    if truncation_mode == "keep_start":
+        return len(prompt) >= max_length
+    return len(prompt) + len(completion) > max_length
 
 
 def pack_with_images(
@@ -193,16 +141,18 @@ def pack_with_images(
     prompts = encoded.input_ids * repeat
     if max_length is not None:
         for prompt, completion in zip(prompts, completions, strict=True):
-            if len(prompt) >= max_length if truncation_mode == "keep_start" else len(prompt + completion) > max_length:
+            if _cuts_prompt(prompt, completion, max_length, truncation_mode):
                 raise ValueError(
                     f"max_length={max_length} cuts a prompt of {len(prompt)} tokens with its image tokens "
                     f"(completion: {len(completion)} tokens, truncation_mode={truncation_mode!r}): the image features "
                     "would no longer match the image tokens. Raise max_length or set it to None for image rows."
                 )
-    options = (max_length, truncation_mode, pad_to_multiple_of)
-    sequences = pack(prompts, completions, pad_token_id, *options)
+    sequences = pack(prompts, completions, pad_token_id, max_length, truncation_mode, pad_to_multiple_of)
     zeros = [[0] * len(c) for c in completions]
-    token_inputs = {k: pack(v * repeat, zeros, 0, *options).input_ids for k, v in encoded.token_inputs.items()}
+    token_inputs = {
+        k: pack(v * repeat, zeros, 0, max_length, truncation_mode, pad_to_multiple_of).input_ids
+        for k, v in encoded.token_inputs.items()
+    }
     visual_inputs = {k: torch.cat([v] * repeat) for k, v in encoded.visual_inputs.items()}
     return dataclasses.replace(sequences, token_inputs=token_inputs, visual_inputs=visual_inputs)
 
@@ -267,26 +217,43 @@ class _ReadsSequences:
 
 @dataclass
 class PairedBatch(_ReadsSequences, TensorBatch):
-    """B preference pairs, chosen and rejected stacked for one forward.
+    """B rows with k completions each (chosen and rejected; TPO adds its gold `reference`), stacked for one forward.
 
     Fields:
-        sequences (`SequenceBatch` of 2B rows): the B chosen rows, then the B rejected rows (same prompts).
+        sequences (`SequenceBatch` or `EncoderDecoderSequences` of k·B rows): one block of B rows per completion key,
+            in `completions` order (the B chosen rows, then the B rejected rows, ...), row i of each block with
+            prompt i.
         ref_chosen_logps, ref_rejected_logps (`(B,)` or None): precomputed reference sequence log-probs.
+        completions (`tuple[str, ...]`): the completion keys of the blocks.
     """
 
-    sequences: SequenceBatch
+    sequences: SequenceBatch | EncoderDecoderSequences
     ref_chosen_logps: torch.Tensor | None = None
     ref_rejected_logps: torch.Tensor | None = None
+    completions: tuple[str, ...] = scalar_field(default=("chosen", "rejected"))
 
     def __len__(self) -> int:
-        return len(self.sequences) // 2
+        return len(self.sequences) // len(self.completions)
+
+    def block(self, key: str) -> slice:
+        """The rows of `sequences` that hold completion `key` (e.g. `block("chosen")`: the first B rows)."""
+        start = self.completions.index(key) * len(self)
+        return slice(start, start + len(self))
+
+    def block_mask(self, key: str) -> torch.Tensor:
+        """`(k·B,)` bool: True on the rows of `block(key)`."""
+        mask = torch.zeros(len(self.sequences), dtype=torch.bool, device=self.sequences.input_ids.device)
+        mask[self.block(key)] = True
+        return mask
 
     def select(self, index: torch.Tensor) -> "PairedBatch":
-        rows = torch.cat([index, index + len(self)])  # a pair's chosen and rejected rows stay together
-        return PairedBatch(
-            self.sequences.select(rows),
-            *(None if t is None else t[index] for t in (self.ref_chosen_logps, self.ref_rejected_logps)),
-        )
+        rows = torch.cat([index + i * len(self) for i in range(len(self.completions))])  # a row's blocks stay together
+        refs = {
+            name: None if value is None else value[index]
+            for name, value in (("ref_chosen_logps", self.ref_chosen_logps),
+                                ("ref_rejected_logps", self.ref_rejected_logps))
+        }  # fmt: skip
+        return dataclasses.replace(self, sequences=self.sequences.select(rows), **refs)
 
 
 @dataclass
@@ -316,6 +283,19 @@ def _ref_column(rows: list[dict[str, Any]], name: str) -> torch.Tensor | None:
     return torch.tensor([row[name] for row in rows], dtype=torch.float32) if name in rows[0] else None
 
 
+def prompt_and_completion(row: dict[str, Any], key: str, encoder_decoder: bool) -> tuple[list[int], list[int]]:
+    """The prompt and completion `key` of a tokenised row: `prompt_ids` and `<key>_ids`; in TRL's legacy layout, for
+    an encoder-decoder row `prompt_input_ids` and the `<key>_labels`, else the row's `<key>_input_ids` split where its
+    labels stop being -100 (each completion keeps the prompt tokens it was tokenised with)."""
+    if "prompt_ids" in row:
+        return row["prompt_ids"], row[f"{key}_ids"]
+    if encoder_decoder:
+        return row["prompt_input_ids"], row[f"{key}_labels"]
+    ids, labels = row[f"{key}_input_ids"], row[f"{key}_labels"]
+    prompt_length = labels.count(IGNORE_INDEX)  # the -100s cover the prompt, at the start
+    return ids[:prompt_length], ids[prompt_length:]
+
+
 @dataclass
 class _PreferenceCollator:
     pad_token_id: int
@@ -323,27 +303,43 @@ class _PreferenceCollator:
     truncation_mode: str = "keep_start"
     pad_to_multiple_of: int | None = None
     processing_class: Any = None  # for rows with images (`prompt_text` + `images`)
+    encoder_decoder: bool = False  # prompts to the encoder, completions as the decoder's targets
 
-    def packer(self, rows: list[dict[str, Any]]):
-        """`completions -> SequenceBatch` for these rows' prompts (row i's prompt for completions i, i + B, ...); the
-        images of rows with images are processed once, for every use."""
-        options = (self.pad_token_id, self.max_length, self.truncation_mode, self.pad_to_multiple_of)
+    def pack_rows(self, rows: list[dict[str, Any]], keys: list[str]):
+        """`SequenceBatch` (or `EncoderDecoderSequences`) of one block of rows per completion key (`keys`; row i of
+        each block holds row i's prompt); the images of rows with images are processed once, for every block."""
+        truncation = (self.max_length, self.truncation_mode, self.pad_to_multiple_of)
         if "prompt_text" in rows[0]:
             images, videos = [get_images(r) or [] for r in rows], [get_videos(r) or [] for r in rows]
             encoded = encode_visual_prompts(self.processing_class, [r["prompt_text"] for r in rows], images, videos)
-            return lambda completions: pack_with_images(encoded, completions, *options)
-        prompts = [row["prompt_ids"] for row in rows]
-        return lambda completions: pack(prompts * (len(completions) // len(prompts)), completions, *options)
+            completions = [row[f"{key}_ids"] for key in keys for row in rows]
+            return pack_with_images(encoded, completions, self.pad_token_id, *truncation)
+        pairs = [prompt_and_completion(row, key, self.encoder_decoder) for key in keys for row in rows]
+        prompts, completions = [p for p, _ in pairs], [c for _, c in pairs]
+        if self.encoder_decoder:
+            return pack_encoder_decoder(prompts, completions, self.pad_token_id, self.pad_to_multiple_of)
+        return pack(prompts, completions, self.pad_token_id, *truncation)
 
 
 @dataclass
 class PairedCollator(_PreferenceCollator):
-    """Tokenised paired rows (`prompt_ids`, `chosen_ids`, `rejected_ids`, optional `ref_*_logps`) → `PairedBatch`."""
+    """Tokenised rows (`prompt_ids` and `<key>_ids` per completion key, or TRL's legacy columns; optional
+    `ref_*_logps`) → `PairedBatch` with one block of rows per key of `completions`."""
+
+    completions: tuple[str, ...] = ("chosen", "rejected")
+
+    @property
+    def include_reference(self) -> bool:
+        """TRL's attribute of its TPO collator: whether the gold `reference` completions are collated."""
+        return "reference" in self.completions
 
     def __call__(self, rows: list[dict[str, Any]]) -> PairedBatch:
-        completions = [row["chosen_ids"] for row in rows] + [row["rejected_ids"] for row in rows]
-        sequences = self.packer(rows)(completions)
-        return PairedBatch(sequences, _ref_column(rows, "ref_chosen_logps"), _ref_column(rows, "ref_rejected_logps"))
+        return PairedBatch(
+            sequences=self.pack_rows(rows, list(self.completions)),
+            ref_chosen_logps=_ref_column(rows, "ref_chosen_logps"),
+            ref_rejected_logps=_ref_column(rows, "ref_rejected_logps"),
+            completions=tuple(self.completions),
+        )
 
 
 @dataclass
@@ -352,8 +348,13 @@ class UnpairedCollator(_PreferenceCollator):
     → `UnpairedBatch`."""
 
     def __call__(self, rows: list[dict[str, Any]]) -> UnpairedBatch:
-        build = self.packer(rows)
-        kl = build([row["KL_completion_ids"] for row in rows]) if "KL_completion_ids" in rows[0] else None
-        label = torch.tensor([bool(row["label"]) for row in rows])
-        refs = (_ref_column(rows, name) for name in ("ref_logps", "ref_KL_logps"))
-        return UnpairedBatch(build([row["completion_ids"] for row in rows]), label, kl, *refs)
+        kl_sequences = None
+        if "KL_completion_ids" in rows[0]:
+            kl_sequences = self.pack_rows(rows, ["KL_completion"])
+        return UnpairedBatch(
+            sequences=self.pack_rows(rows, ["completion"]),
+            label=torch.tensor([bool(row["label"]) for row in rows]),
+            kl_sequences=kl_sequences,
+            ref_logps=_ref_column(rows, "ref_logps"),
+            ref_KL_logps=_ref_column(rows, "ref_KL_logps"),
+        )

@@ -27,8 +27,8 @@ import torch
 
 from ..core.config import TruncationConfig, document_fields, option
 from ..preference.data import PairedBatch
-from ..preference.losses import f_scores, pair_losses
-from ..preference.trainer import PreferenceConfig, PreferenceTrainer
+from ..preference.losses import f_scores, nll, pair_losses
+from ..preference.trainer import PreferenceTrainer, ReferencePreferenceConfig
 
 
 LOSS_TYPES = (
@@ -41,7 +41,7 @@ F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"
 
 @document_fields
 @dataclass
-class DPOConfig(TruncationConfig, PreferenceConfig):
+class DPOConfig(TruncationConfig, ReferencePreferenceConfig):
     """Configuration of `DPOTrainer`: every field of `trl.DPOConfig` 1.16, same names and defaults."""
 
     loss_type: list[str] = option(default_factory=lambda: ["sigmoid"], help=f"One or more of {', '.join(LOSS_TYPES)}.")
@@ -132,7 +132,7 @@ class DPOTrainer(PreferenceTrainer):
         terms = dict(h_w=h_w, h_l=h_l, s_w=s_w, s_l=s_l, delta=s_w - s_l, logps_w=logps_w, logps_l=logps_l)
         terms.update(ref_w=ref_w, ref_l=ref_l, len_w=len_w, len_l=len_l)
         if "sft" in args.loss_type:
-            terms["sft"] = -per_token[: len(inputs)][mask_w].mean()
+            terms["sft"] = nll(per_token[: len(inputs)], mask_w)
         weights = 1.0
         if args.use_weighting:  # WPO, Eq. 2: exp of the length-normalised, sharpness-aligned log-probs, no grad
             with torch.no_grad():
@@ -144,16 +144,7 @@ class DPOTrainer(PreferenceTrainer):
             loss = loss + (per_pair * weights).mean() * weight
         loss = self.add_aux_loss(loss, out.aux_loss)
 
-        half = len(inputs)
-        is_chosen = torch.arange(2 * half, device=h_w.device) < half
-        self.log_sequence_metrics(inputs.sequences, out, {"chosen": is_chosen, "rejected": ~is_chosen})
-        gather = self.accelerator.gather_for_metrics
-        correct = gather((out.stats["is_top1"][:half] & mask_w).sum()).sum()
-        total = gather(mask_w.sum()).sum()
-        self.log_metric("mean_token_accuracy", (correct / total).item() if total > 0 else 0.0)
-        r_w, r_l = gather(self.beta * h_w.detach()), gather(self.beta * h_l.detach())
-        for name, value in (("chosen", r_w), ("rejected", r_l), ("accuracies", r_w > r_l), ("margins", r_w - r_l)):
-            self.log_metric(f"rewards/{name}", value.float().mean().item())
-        self.log_metric("logps/chosen", gather(logps_w.detach()).mean().item())
-        self.log_metric("logps/rejected", gather(logps_l.detach()).mean().item())
+        self.log_sequence_metrics(sequences, out, {key: inputs.block_mask(key) for key in ("chosen", "rejected")})
+        self.log_token_accuracy(out, mask_w)
+        self.log_reward_metrics(self.beta * h_w, self.beta * h_l, logps_w, logps_l)
         return loss

@@ -29,7 +29,7 @@ from datasets import Dataset
 
 from ..core.config import document_fields, option
 from ..preference.data import UnpairedBatch
-from ..preference.trainer import PreferenceConfig, PreferenceTrainer
+from ..preference.trainer import PreferenceTrainer, ReferencePreferenceConfig
 
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ LOSS_TYPES = ("kto", "apo_zero_unpaired")
 
 @document_fields
 @dataclass
-class KTOConfig(PreferenceConfig):
+class KTOConfig(ReferencePreferenceConfig):
     """Configuration of `KTOTrainer`: every field of `trl.KTOConfig` 1.16, same names and defaults."""
 
     loss_type: str = field(default="kto", metadata={"help": f"One of {', '.join(LOSS_TYPES)}."})
