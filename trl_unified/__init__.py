@@ -23,22 +23,27 @@ from .online.rollout import RolloutBatch
 from .online.sampler import RepeatSampler
 from .online.trainer import OnlineTrainer
 from .preference.data import PairedBatch, PairedCollator, SequenceBatch, UnpairedBatch, UnpairedCollator
-from .preference.trainer import PreferenceConfig, PreferenceTrainer
+from .preference.trainer import PreferenceConfig, PreferenceTrainer, ReferencePreferenceConfig
 from .trainers.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from .trainers.cpo import CPOConfig, CPOTrainer
 from .trainers.distillation import DistillationConfig, DistillationTrainer
 from .trainers.dpo import DPOConfig, DPOTrainer
 from .trainers.grm import GRMConfig, GRMTrainer
 from .trainers.grpo import GRPOConfig, GRPOTrainer
 from .trainers.kto import KTOConfig, KTOTrainer
 from .trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+from .trainers.orpo import ORPOConfig, ORPOTrainer
 from .trainers.ppo import PPOConfig, PPOTrainer
 from .trainers.rloo import RLOOConfig, RLOOTrainer, rloo_advantages
+from .trainers.tpo import TPOConfig, TPOTrainer
 
 
 __all__ = [
     "AsyncGRPOConfig",
     "AsyncGRPOTrainer",
     "AnswerAccuracy",
+    "CPOConfig",
+    "CPOTrainer",
     "DPOConfig",
     "DPOTrainer",
     "DistillationConfig",
@@ -56,6 +61,8 @@ __all__ = [
     "KTOTrainer",
     "OnlineConfig",
     "OnlineTrainer",
+    "ORPOConfig",
+    "ORPOTrainer",
     "PAPERS",
     "PPOConfig",
     "PPOTrainer",
@@ -69,6 +76,7 @@ __all__ = [
     "UnpairedCollator",
     "PreferenceConfig",
     "PreferenceTrainer",
+    "ReferencePreferenceConfig",
     "PolicyTrainerBase",
     "RLOOConfig",
     "RLOOTrainer",
@@ -76,6 +84,8 @@ __all__ = [
     "RepeatSampler",
     "RewardFunctions",
     "RolloutBatch",
+    "TPOConfig",
+    "TPOTrainer",
     "answers_match",
     "build_generation_config",
     "compute_token_logprobs",

@@ -82,4 +82,60 @@ PAPERS: dict[str, dict[str, str]] = {
     eprint       = {arXiv:1909.08593}
 }""",
     },
+    "orpo": {
+        "title": "ORPO: Monolithic Preference Optimization without Reference Model",
+        "id": "2403.07691",
+        "citation": """@article{hong2024orpo,
+    title        = {{ORPO: Monolithic Preference Optimization without Reference Model}},
+    author       = {Jiwoo Hong and Noah Lee and James Thorne},
+    year         = 2024,
+    eprint       = {arXiv:2403.07691}
+}""",
+    },
+    "cpo": {
+        "title": "Contrastive Preference Optimization: Pushing the Boundaries of LLM Performance in Machine Translation",
+        "id": "2401.08417",
+        "citation": """@inproceedings{xu2024contrastive,
+    title        = {{Contrastive Preference Optimization: Pushing the Boundaries of LLM Performance in Machine Translation}},
+    author       = {Haoran Xu and Amr Sharaf and Yunmo Chen and Weiting Tan and Lingfeng Shen and Benjamin Van Durme and Kenton Murray and Young Jin Kim},
+    year         = 2024,
+    booktitle    = {Forty-first International Conference on Machine Learning, {ICML} 2024, Vienna, Austria, July 21-27, 2024},
+    publisher    = {OpenReview.net},
+    url          = {https://openreview.net/forum?id=51iwkioZpn}
+}""",
+    },
+    "simpo": {
+        "title": "SimPO: Simple Preference Optimization with a Reference-Free Reward",
+        "id": "2405.14734",
+        "citation": """@inproceedings{meng2024simpo,
+    title        = {{SimPO: Simple Preference Optimization with a Reference-Free Reward}},
+    author       = {Yu Meng and Mengzhou Xia and Danqi Chen},
+    year         = 2024,
+    booktitle    = {Advances in Neural Information Processing Systems 38, NeurIPS 2024},
+    eprint       = {arXiv:2405.14734}
+}""",
+    },
+    "alphapo": {
+        "title": "AlphaPO: Reward Shape Matters for LLM Alignment",
+        "id": "2501.03884",
+        "citation": """@inproceedings{gupta2025alphapo,
+    title        = {{AlphaPO: Reward Shape Matters for LLM Alignment}},
+    author       = {Aman Gupta and others},
+    year         = 2025,
+    eprint       = {arXiv:2501.03884}
+}""",
+    },
+    "tpo": {
+        "title": "Triple Preference Optimization: Achieving Better Alignment using a Single Step Optimization",
+        "id": "2405.16681",
+        "citation": """@misc{saeidi2025triplepreferenceoptimizationachieving,
+    title        = {{Triple Preference Optimization: Achieving Better Alignment using a Single Step Optimization}},
+    author       = {Amir Saeidi and Shivanshu Verma and Aswin RRV and Kashif Rasul and Chitta Baral},
+    year         = 2025,
+    eprint       = {2405.16681},
+    archivePrefix= {arXiv},
+    primaryClass = {cs.CL},
+    url          = {https://arxiv.org/abs/2405.16681},
+}""",
+    },
 }
