@@ -1,4 +1,5 @@
-"""Speed and memory of trl_unified's DPOTrainer (or KTOTrainer) vs TRL's, same workload, in one run.
+"""Speed and memory of trl_unified's DPOTrainer (or KTOTrainer, ORPOTrainer, CPOTrainer, TPOTrainer) vs TRL's (for
+ORPO, CPO and TPO: TRL 1.16's `trl.experimental` trainers), same workload, in one run.
 
 Model: the Qwen2-style 33.8M-parameter model of `online_vs_trl.py` (random weights, 8k word-level vocabulary), fp32
 on CPU, gradient checkpointing off. Data, 256 pairs (KTO: the same pairs as 512 unpaired rows):
@@ -6,7 +7,9 @@ on CPU, gradient checkpointing off. Data, 256 pairs (KTO: the same pairs as 512 
 - **default**: prompts of 48-56 words, chosen and rejected completions of 24-40 words;
 - **long**: prompts of ~400 words (396-404), completions of 32-48 words.
 
-Batch 8 pairs (KTO: 16 rows), beta 0.1, sigmoid loss (KTO: `kto`), 10 steps, reference model a frozen copy. Each
+Batch 8 pairs (KTO: 16 rows; TPO: 8 rows of three completions, the gold one a third completion of the chosen
+rows' length), beta 0.1, each trainer's default loss (DPO, CPO, TPO: sigmoid; KTO: `kto`; ORPO's), 10 steps, for
+DPO and KTO a frozen copy of the policy as reference (ORPO, CPO and TPO have none). Each
 trainer runs in its own fresh subprocess (so peak RSS is its own), TRL then ours, `--repeats` times alternating.
 Printed per implementation: median seconds per step (first step excluded), peak RSS, and where the step goes
 (reference forwards, optimiser, and the rest: the policy's forward and backward); then per workload
@@ -15,9 +18,9 @@ Printed per implementation: median seconds per step (first step excluded), peak 
 
 `--vocab real`: the model with Qwen2.5's vocabulary size (151,665 tokens, tied embeddings; see `online_vs_trl.py`).
 
-Usage: python benchmarks/dpo_vs_trl.py [--trainer dpo|kto] [--workload default|long|both] [--vocab 8k|real]
-    [--threads 2] [--steps 10] [--repeats 1] [--precompute_ref_log_probs] [--shared_prefix auto|false]
-    [--chunked_lm_head true|false] [--padding_free true|false]
+Usage: python benchmarks/dpo_vs_trl.py [--trainer dpo|kto|orpo|cpo|tpo] [--workload default|long|both]
+    [--vocab 8k|real] [--threads 2] [--steps 10] [--repeats 1] [--precompute_ref_log_probs]
+    [--shared_prefix auto|false] [--chunked_lm_head true|false] [--padding_free true|false]
 """
 
 import argparse
@@ -34,12 +37,15 @@ WORKLOADS = {"default": ((48, 9), (24, 17)), "long": ((396, 9), (32, 17))}  # (m
 
 
 def run_one(trainer, impl, model_path, steps, out, precompute, workload, shared_prefix, chunked_lm_head, padding_free):
+    import importlib
+
     from datasets import Dataset
     from step_timer import PhaseTimer, StepTimer
     from transformers import PreTrainedTokenizerFast
 
-    library = __import__("trl" if impl == "trl" else "trl_unified")
     name = trainer.upper()
+    module = "trl" if trainer in ("dpo", "kto") else f"trl.experimental.{trainer}"  # TRL's experimental trainers
+    library = importlib.import_module(module if impl == "trl" else "trl_unified")
     config_class, trainer_class = getattr(library, f"{name}Config"), getattr(library, f"{name}Trainer")
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
 
@@ -52,6 +58,8 @@ def run_one(trainer, impl, model_path, steps, out, precompute, workload, shared_
         "chosen": [" " + words(i, completion + i % spread_c, 41) for i in range(256)],
         "rejected": [" " + words(i, completion + (i * 7) % spread_c, 43) for i in range(256)],
     }
+    if trainer == "tpo":
+        rows["reference"] = [" " + words(i, completion + i % spread_c, 47) for i in range(256)]
     if trainer == "kto":
         from trl import unpair_preference_dataset
 
@@ -75,7 +83,7 @@ def run_one(trainer, impl, model_path, steps, out, precompute, workload, shared_
         gradient_checkpointing=False,
         seed=0,
         max_length=1024,
-        precompute_ref_log_probs=precompute,
+        **({"precompute_ref_log_probs": precompute} if trainer in ("dpo", "kto") else {}),
         **extra,
     )
     trainer = trainer_class(
@@ -85,7 +93,7 @@ def run_one(trainer, impl, model_path, steps, out, precompute, workload, shared_
         processing_class=tokenizer,
         callbacks=[timer, phases],
     )
-    reference = trainer.ref_model
+    reference = getattr(trainer, "ref_model", None)  # ORPO, CPO, TPO: no reference model
     if reference is not None:
         phases.watch("reference", reference)
     trainer.train()
@@ -94,8 +102,8 @@ def run_one(trainer, impl, model_path, steps, out, precompute, workload, shared_
 
 
 def main():
-    parser = argparse.ArgumentParser(description="DPO/KTO: trl_unified vs TRL on the same workload")
-    parser.add_argument("--trainer", choices=["dpo", "kto"], default="dpo")
+    parser = argparse.ArgumentParser(description="Preference trainers: trl_unified vs TRL on the same workload")
+    parser.add_argument("--trainer", choices=["dpo", "kto", "orpo", "cpo", "tpo"], default="dpo")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=1)

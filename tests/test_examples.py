@@ -151,17 +151,19 @@ def test_dpo_and_kto_demos_learn_and_save(tmp_path):
 
 
 @pytest.mark.slow
-def test_preference_example_real_run_from_command_line(llama_path, tmp_path):
-    """The TRL-style CLI of examples/dpo.py: a model path, a local dataset folder (train/test splits), LoRA flags."""
+@pytest.mark.parametrize("name", ["dpo", "orpo"])
+def test_preference_example_real_run_from_command_line(name, llama_path, tmp_path):
+    """The TRL-style CLI of examples/dpo.py (and of examples/orpo.py, TRL's dpo script with ORPO's classes): a model
+    path, a local dataset folder (train/test splits), LoRA flags."""
     data_dir = tmp_path / "pairs"
     data_dir.mkdir()
     rows = [{"prompt": "a b", "chosen": " c d", "rejected": " e"}, {"prompt": "f", "chosen": " g", "rejected": " h i"}]
     for split in ("train", "test"):
         with open(data_dir / f"{split}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows * 2)
-    out = tmp_path / "dpo-lora"
+    out = tmp_path / f"{name}-lora"
     result = run_example(
-        "dpo.py",
+        f"{name}.py",
         ["--model_name_or_path", llama_path, "--dataset_name", str(data_dir), "--output_dir", str(out),
          "--max_steps", "2", "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2",
          "--eval_strategy", "steps", "--eval_steps", "2", "--report_to", "none", "--save_strategy", "no",

@@ -118,7 +118,7 @@ def preference_token_stats(with_sum_sq_probs: bool = False):
 class PreferenceTrainer(PolicyTrainerBase):
     """Base of the offline preference trainers (DPO, KTO, ORPO, CPO, TPO). A subclass declares `paired` (rows with
     `completion_keys` completions each, or unpaired completion/label rows), `required_columns` and
-    `signature_columns` (and `legacy_columns` for TRL's ORPO/CPO tokenised layout), and implements
+    `signature_columns` (and `legacy_format` for the conventions of TRL's ORPO and CPO trainers), and implements
     `compute_policy_loss(model, inputs)` on a `PairedBatch` / `UnpairedBatch`; a loss that reads a reference model
     also implements `reference_columns(batch)` (the reference log-probs stored per row when
     `precompute_ref_log_probs=True`). Whether a reference model is built is the config's answer
@@ -126,7 +126,9 @@ class PreferenceTrainer(PolicyTrainerBase):
 
     paired = True
     completion_keys: ClassVar[tuple[str, ...]] = ("chosen", "rejected")
-    legacy_columns = False  # tokenised rows in TRL's ORPO/CPO layout (`preference.data.legacy_columns`)
+    # TRL's ORPO and CPO conventions: their tokenisation and columns (`preference.formats.split_legacy`), and the two
+    # numbers (eval logits/chosen, logits/rejected) their `compute_metrics` receives per batch
+    legacy_format = False
     required_columns: ClassVar[list[tuple[str, ...]]] = []
     signature_columns: ClassVar[list[str]] = []
     loss_is_scaled_for_ga = False  # a per-micro-batch mean, as TRL's: the Trainer divides it by the GA steps
@@ -227,7 +229,7 @@ class PreferenceTrainer(PolicyTrainerBase):
             paired=self.paired,
             encoder_decoder=self.is_encoder_decoder,
             max_completion_length=limit,
-            legacy=self.legacy_columns,
+            legacy=self.legacy_format,
         )
 
     def check_columns(self, dataset, name: str) -> None:
@@ -434,7 +436,14 @@ class PreferenceTrainer(PolicyTrainerBase):
 
     def prediction_outputs(self, model, inputs, outputs):
         """For `compute_metrics`, as TRL's DPO: the logits of an extra forward over the batch's sequences, and their
-        token ids (encoder-decoder rows: the decoder's logits and targets)."""
+        token ids (encoder-decoder rows: the decoder's logits and targets). `legacy_format` (TRL's ORPO and CPO): the
+        batch's logits/chosen and logits/rejected metrics, and zeros as labels."""
+        if self.legacy_format:
+            logged = self._metrics["eval"]
+            logits = torch.tensor(
+                [logged["logits/chosen"][-1], logged["logits/rejected"][-1]], device=self.args.device
+            )
+            return logits, torch.zeros(2, device=self.args.device)
         sequences = inputs.sequences
         extra, labels = sequences.model_inputs(), sequences.input_ids
         if isinstance(sequences, EncoderDecoderSequences):

@@ -78,7 +78,7 @@ class CPOTrainer(PreferenceTrainer):
 
     _name = "CPO"
     config_class = CPOConfig
-    legacy_columns = True
+    legacy_format = True
     required_columns = [("chosen", "rejected")]
     __init__ = init_without_reference
 

@@ -51,7 +51,7 @@ class ORPOTrainer(PreferenceTrainer):
 
     _name = "ORPO"
     config_class = ORPOConfig
-    legacy_columns = True
+    legacy_format = True
     required_columns = [("chosen", "rejected")]
     __init__ = init_without_reference
 
