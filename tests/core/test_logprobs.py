@@ -310,3 +310,25 @@ def test_shared_logprobs_with_detached_rows_equal_two_passes(qwen2_model, from_h
     distinct = torch.cat([prompts, prompts + 40], 1).view(6, 4)  # six different prompts: nothing to share
     distinct_ids = torch.cat([distinct, completions], 1)
     assert compute_shared_logprobs(qwen2_model, distinct_ids, (distinct_ids != 0).long(), 3, 3, **options) is None
+
+
+@pytest.mark.parametrize("from_hidden_states", [True, False])
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_prompt_scores_equal_full_log_softmax_in_values_and_gradients(qwen2_model, from_hidden_states, shared_prefix):
+    """`score_prompt`: the prompt tokens after the first (ORPO's NLL), from the shared prompt pass (rows 0 and 1 share a
+    prompt; row 2's is left-padded) or from the rows' own pass, equal the full log-softmax of every position, and so
+    does the gradient of a loss over prompt and completion tokens."""
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8], [3, 4, 5, 9, 10, 11], [0, 12, 13, 14, 15, 16]])
+    mask = torch.tensor([[1] * 6, [1] * 6, [0, 1, 1, 1, 1, 1]])
+    keep, prompt = 3, 3  # 3 completion tokens after a 3-token prompt
+    out = compute_token_logprobs(qwen2_model, ids, mask, keep, shared_prefix=shared_prefix, score_prompt=True,
+                                 from_hidden_states=from_hidden_states)  # fmt: skip
+    real = (mask[:, 1:prompt] * mask[:, : prompt - 1]).float()  # a token predicted from padding is not scored
+    (out.prompt_logps.sum() + out.logps.sum()).backward()
+    grads = _grads(qwen2_model)
+    full, _ = naive_logprobs(qwen2_model, ids, mask, ids.size(1) - 1)  # (B, T - 1): every position
+    torch.testing.assert_close(out.prompt_logps, full[:, : prompt - 1] * real, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.logps, full[:, -keep:], rtol=1e-5, atol=1e-5)
+    ((full[:, : prompt - 1] * real).sum() + full[:, -keep:].sum()).backward()
+    for name, grad in _grads(qwen2_model).items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -355,3 +355,25 @@ def test_policy_learns_held_out_preferences(name, tokenizer, tmp_path):
     print(f"{name}: held-out accuracy {before:.2f} -> {after:.2f}, margins {margins[0]:.3f} -> {margins[-1]:.3f}")
     assert 0.2 < before < 0.8 and after > 0.9, (before, after)
     assert margins[-1] > margins[0], margins
+
+
+@pytest.mark.parametrize("cls, config, rows", [(ORPOTrainer, ORPOConfig, paired_rows), (TPOTrainer, TPOConfig,
+                         triple_rows)])  # fmt: skip
+def test_each_prompt_is_encoded_once(cls, config, rows, tokenizer, tmp_path, monkeypatch):
+    """The rows of a preference row share its prompt pass, also for ORPO, whose NLL reads the prompt's tokens (scored
+    from the prompt pass): the prompt passes encode one row per distinct prompt."""
+    import trl_unified.core.logprobs as logprobs
+
+    encoded = []
+    original = logprobs.encode_prefix
+
+    def counting(model, input_ids, attention_mask, length, groups, *args, **kwargs):
+        encoded.append((len(groups[0]), input_ids.size(0)))
+        return original(model, input_ids, attention_mask, length, groups, *args, **kwargs)
+
+    monkeypatch.setattr(logprobs, "encode_prefix", counting)
+    trainer = cls(build_causal_lm(tokenizer, "qwen2"), args=tiny_run_args(config, tmp_path, max_steps=1),
+                  train_dataset=Dataset.from_dict(rows(4)), processing_class=tokenizer)  # fmt: skip
+    trainer.train()
+    k = len(trainer.collated_completions())
+    assert encoded == [(4, 4 * k)], encoded  # 4 prompts, k rows each, in one forward

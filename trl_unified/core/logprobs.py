@@ -61,21 +61,25 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> 
 
 @dataclass
 class TokenLogprobs:
-    """Per-token log-probs `(B, C)`, entropies `(B, C)` or None, the MoE auxiliary loss or None, and the `(B, C)`
-    statistics a `logits_stats` function returned (no grad), by name."""
+    """Per-token log-probs `(B, C)`, entropies `(B, C)` or None, the MoE auxiliary loss or None, the `(B, C)`
+    statistics a `logits_stats` function returned (no grad), by name, and with `score_prompt` the log-probs
+    `(B, P - 1)` of the prompt tokens after the first (`prompt_logps`)."""
 
     logps: torch.Tensor
     entropy: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    prompt_logps: torch.Tensor | None = None
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "TokenLogprobs":
-        """The same fields with `fn` applied to every per-token tensor (e.g. a change of layout)."""
+        """The same fields with `fn` applied to every per-completion-token tensor (e.g. a change of layout);
+        `prompt_logps` is left as it is."""
         return TokenLogprobs(
             logps=fn(self.logps),
             entropy=None if self.entropy is None else fn(self.entropy),
             aux_loss=self.aux_loss,
             stats={name: fn(value) for name, value in self.stats.items()},
+            prompt_logps=self.prompt_logps,
         )
 
 
@@ -95,6 +99,7 @@ def compute_token_logprobs(
     from_hidden_states: bool = True,
     padding_free: bool | None = False,
     score_padding: bool = False,
+    score_prompt: bool = False,
     **forward_kwargs,
 ) -> TokenLogprobs:
     """Log-probs of the last `logits_to_keep` tokens of `input_ids` under `model`, logits divided by `temperature`.
@@ -123,6 +128,10 @@ def compute_token_logprobs(
             None (auto): only then and where at least `PACKING_MIN_PADDING` of the rows' slots are padding.
         score_padding (`bool`, defaults to `False`): also score padding positions (mask 0) on the head path (TRL's
             PPO entropy average); otherwise only real tokens go through the head and padding reads 0: mask it.
+        score_prompt (`bool`, defaults to `False`): also the log-probs `(B, P - 1)` of the prompt tokens after the
+            first (`TokenLogprobs.prompt_logps`, 0 where the token or the position predicting it is padding; no
+            entropy or stats there): with `shared_prefix`, from the prompt pass, once per distinct prompt (ORPO's NLL
+            reads the prompt). Rows are then not packed (`padding_free`).
         **forward_kwargs: other model inputs with a leading batch dimension (e.g. `token_type_ids`), or, for
             vision-language models, the full image tensors (then `batch_size` must cover the whole batch).
 
@@ -130,14 +139,15 @@ def compute_token_logprobs(
         `TokenLogprobs` with `logps` `(B, C)` float32, e.g. `(out.logps * completion_mask).sum(1)` per sequence.
     """
     batch_size = batch_size or input_ids.size(0)
-    padding_free = padding_free is not False and _packs(model, attention_mask, shared_prefix, position_ids,
-                                                        forward_kwargs, auto=padding_free is None)  # fmt: skip
+    auto = padding_free is None
+    padding_free = not score_prompt and padding_free is not False  # a packed row scores completions only
+    padding_free = padding_free and _packs(model, attention_mask, shared_prefix, position_ids, forward_kwargs, auto)
     forward_kwargs = dict(forward_kwargs, output_router_logits=True) if output_router_logits else forward_kwargs
     input_ids = mask_padding(input_ids, attention_mask, embedding_rows(model))  # a pad beyond the table: read as 0
     head = HiddenStateHead.of(model) if from_hidden_states else None
     scoring = dict(temperature=temperature, compute_entropy=compute_entropy,
                    entropy_requires_grad=entropy_requires_grad, logits_stats=logits_stats)  # fmt: skip
-    parts, aux_losses = [], []
+    parts, aux_losses, prompt_parts = [], [], []
     for start in range(0, input_ids.size(0), batch_size):
         rows = slice(start, start + batch_size)
         kwargs = _row_inputs(forward_kwargs, rows, input_ids.size(0))
@@ -147,7 +157,9 @@ def compute_token_logprobs(
         if packed is not None:
             scores, outputs, head = _score_packed(model, head, packed, kwargs, scoring)
         else:
-            scores, outputs, head = _score_rows(model, head, inputs, scoring, score_padding)
+            scores, outputs, head, prompt_scores = _score_rows(model, head, inputs, scoring, score_padding,
+                                                               score_prompt)  # fmt: skip
+            prompt_parts.append(prompt_scores)
         parts.append(scores)
         if output_router_logits and getattr(outputs, "aux_loss", None) is not None:
             aux_losses.append(outputs.aux_loss)
@@ -156,6 +168,7 @@ def compute_token_logprobs(
         entropy=torch.cat([entropy for _, entropy, _ in parts]) if compute_entropy else None,
         aux_loss=torch.stack(aux_losses).mean() if aux_losses else None,
         stats={name: torch.cat([stats[name] for _, _, stats in parts]) for name in parts[0][2]},
+        prompt_logps=torch.cat(prompt_parts) if score_prompt else None,
     )
 
 
@@ -164,16 +177,20 @@ def _row_inputs(kwargs: dict, rows: slice, num_rows: int) -> dict:
     return {k: v[rows] if isinstance(v, torch.Tensor) and v.shape[:1] == (num_rows,) else v for k, v in kwargs.items()}
 
 
-def _score_rows(model, head: HiddenStateHead | None, inputs, scoring: dict, score_padding: bool = False):
-    """`((log-probs, entropies, stats), outputs, head)` for one batch of rows: from the hidden states through
-    `head` when given and it reproduces the model's logits, else from the model's logits (then `head` comes back
-    None, for the next rows). Through `head`, only the positions whose token is real (mask 1) are projected to the
-    vocabulary unless `score_padding`; the others read 0, as in the packed path."""
+def _score_rows(model, head: HiddenStateHead | None, inputs, scoring: dict, score_padding=False, score_prompt=False):
+    """`((log-probs, entropies, stats), outputs, head, prompt log-probs or None)` for one batch of rows: from the
+    hidden states through `head` when given and it reproduces the model's logits, else from the model's logits (then
+    `head` comes back None, for the next rows). Through `head`, only the positions whose token is real (mask 1) are
+    projected to the vocabulary unless `score_padding`; the others read 0, as in the packed path. `score_prompt`: the
+    prompt tokens' log-probs too (`_prompt_scores`)."""
     input_ids, attention_mask, logits_to_keep, shared_prefix, positions, kwargs = inputs
     targets = input_ids[:, -logits_to_keep:]
     if head is not None:
+        prefix = {}  # the prompt pass's hidden states and groups, when the prompt is shared and scored
+        on_prefix = (lambda groups: prefix.update(hidden=head.hidden, groups=groups)) if score_prompt else None
         with head.capture():
-            outputs = _forward(model, input_ids, attention_mask, logits_to_keep, 1, shared_prefix, positions, kwargs)
+            outputs = _forward(model, input_ids, attention_mask, logits_to_keep, 1, shared_prefix, positions, kwargs,
+                               on_prefix)  # fmt: skip
         if head.matches(outputs.logits):
             hidden = head.hidden[:, -(logits_to_keep + 1) : -1]  # position t predicts token t + 1
             real, place = None if score_padding else attention_mask[:, -logits_to_keep:].bool(), None
@@ -182,11 +199,44 @@ def _score_rows(model, head: HiddenStateHead | None, inputs, scoring: dict, scor
                 place = lambda values: values.new_zeros(real.shape).masked_scatter(real, values)
             vocabulary = outputs.logits.size(-1)
             scores = token_scores(hidden, targets, head.logits, vocabulary=vocabulary, linear=head.linear(), **scoring)
-            return (scores if place is None else _place(scores, place)), outputs, head
+            prompt = None
+            if score_prompt:
+                prompt = _prompt_scores(head, input_ids, attention_mask, logits_to_keep, prefix, scoring)
+            return (scores if place is None else _place(scores, place)), outputs, head, prompt
+    width = input_ids.size(1) if score_prompt else logits_to_keep + 1  # the prompt's logits too: an unshared pass
     outputs = _forward(
-        model, input_ids, attention_mask, logits_to_keep, logits_to_keep + 1, shared_prefix, positions, kwargs
+        model, input_ids, attention_mask, logits_to_keep, width, shared_prefix and not score_prompt, positions, kwargs
     )
-    return _scores_from_logits(outputs.logits[:, -(logits_to_keep + 1) : -1, :], targets, **scoring), outputs, None
+    logits = outputs.logits
+    prompt = None
+    if score_prompt:
+        prompt_length = input_ids.size(1) - logits_to_keep
+        real = attention_mask[:, 1:prompt_length] * attention_mask[:, : prompt_length - 1]
+        scaled = logits[:, : prompt_length - 1] / scoring["temperature"]
+        prompt = selective_log_softmax(scaled, input_ids[:, 1:prompt_length]) * real
+    scores = _scores_from_logits(logits[:, -(logits_to_keep + 1) : -1, :], targets, **scoring)
+    return scores, outputs, None, prompt
+
+
+def _prompt_scores(head: HiddenStateHead, input_ids, attention_mask, logits_to_keep: int, prefix: dict, scoring):
+    """`(B, P - 1)` log-probs of the prompt tokens after the first, P = T - `logits_to_keep`, from the hidden states
+    of the pass that read the prompt: the shared prompt pass (`prefix`: one row per distinct prompt, indexed out to
+    the rows) or the rows' own. 0 where the token or the position predicting it is padding."""
+    prompt_length = input_ids.size(1) - logits_to_keep
+    targets = input_ids[:, 1:prompt_length]
+    real = (attention_mask[:, 1:prompt_length] * attention_mask[:, : prompt_length - 1]).bool()
+    if prefix:
+        first, inverse = prefix["groups"]
+        hidden, targets, real = prefix["hidden"][:, : prompt_length - 1], targets[first], real[first]
+    else:
+        inverse, hidden = None, head.hidden[:, : prompt_length - 1]
+    scoring = dict(scoring, compute_entropy=False, logits_stats=None)  # log-probs only
+    values = torch.zeros(real.shape, device=input_ids.device)
+    if bool(real.any()):
+        logps, _, _ = token_scores(hidden[real][None], targets[real][None], head.logits, linear=head.linear(),
+                                   vocabulary=head.head.weight.size(0), **scoring)  # fmt: skip
+        values = values.masked_scatter(real, logps[0])
+    return values if inverse is None else values[inverse]
 
 
 def shift_right(labels: torch.Tensor, decoder_start_token_id: int | None) -> torch.Tensor:
@@ -257,8 +307,8 @@ def compute_shared_logprobs(
     scoring = dict(temperature=1.0, compute_entropy=False, entropy_requires_grad=False, logits_stats=None)
     temperature = options.get("temperature", 1.0)
     with torch.no_grad():
-        (detached, _, _), _, head = _score_rows(model, head, inputs[1], {**scoring, "temperature": temperature})
-    (logps, entropy, stats), _, _ = _score_rows(model, head, inputs[0], {**scoring, **options})
+        (detached, _, _), _, head, _ = _score_rows(model, head, inputs[1], {**scoring, "temperature": temperature})
+    (logps, entropy, stats), _, _, _ = _score_rows(model, head, inputs[0], {**scoring, **options})
     return TokenLogprobs(logps=logps, entropy=entropy, stats=stats), detached
 
 
@@ -314,11 +364,11 @@ def _place(scores, place):
     return place(logps), None if entropy is None else place(entropy), {name: place(v) for name, v in stats.items()}
 
 
-def _forward(model, input_ids, attention_mask, logits_to_keep, keep, shared_prefix, positions, kwargs):
+def _forward(model, input_ids, attention_mask, logits_to_keep, keep, shared_prefix, positions, kwargs, on_prefix=None):
     """The model's outputs on one batch of rows, projecting the last `keep` positions to the vocabulary: with
     `shared_prefix`, each distinct prompt but its last token encoded once and the rest run per row on its cache
     (a model that cannot is reported once and run plainly); `shared_prefix` may also be that cache, built by the
-    caller (`compute_shared_logprobs`)."""
+    caller (`compute_shared_logprobs`). `on_prefix(groups)` is called right after the prompt pass, if one ran."""
     kwargs = dict(kwargs)
     prompt_length = input_ids.size(1) - logits_to_keep
     prebuilt = shared_prefix if isinstance(shared_prefix, Cache) else None
@@ -328,6 +378,8 @@ def _forward(model, input_ids, attention_mask, logits_to_keep, keep, shared_pref
     if groups is not None or prebuilt is not None:
         try:
             cache = prebuilt or encode_prefix(model, input_ids, attention_mask, prompt_length - 1, groups, positions)
+            if on_prefix is not None and prebuilt is None:
+                on_prefix(groups)
             if positions is not None:
                 kwargs["position_ids"] = positions[:, prompt_length - 1 :]
             return model(

@@ -193,6 +193,16 @@ class SharedPromptLayout:
         targets = torch.where(valid[:, width_p:], original[:, width_p:] - 1, -1)  # (B, C)
         return cls(input_ids, valid.long(), original.clamp(min=0), targets)
 
+    def scatter_prompt(self, values: torch.Tensor, width: int) -> torch.Tensor:
+        """`(B, P - 1)` per-prompt-token values of the layout (`compute_token_logprobs(score_prompt=True)`: column j
+        predicts layout column j + 1) → the original `(B, width)` per-token layout (zero elsewhere); a token whose
+        predicting position is padding stays 0."""
+        columns = self.position_ids.size(1) - self.targets.size(1)  # P
+        valid = self.attention_mask[:, 1:columns].bool() & self.attention_mask[:, : columns - 1].bool()
+        index = self.position_ids[:, 1:columns] - 1  # the predicted token's index in the original per-token layout
+        rows = torch.arange(values.size(0), device=values.device)[:, None].expand_as(index)
+        return values.new_zeros(values.size(0), width).index_put((rows[valid], index[valid]), values[valid])
+
     def scatter(self, values: torch.Tensor, width: int, rows: slice = slice(None)) -> torch.Tensor:
         """`(b, C)` per-completion-token values of the layout's rows `rows` (all by default) → the original
         `(b, width)` per-token layout (zero, False, elsewhere)."""

@@ -277,34 +277,35 @@ class PreferenceTrainer(PolicyTrainerBase):
         """Per-token log-probs of the predicted tokens under `model` (temperature 1), zeroed outside
         `sequences.token_mask(include_prompt)`: `(B, L - 1)` for decoder-only rows (predicting `input_ids[:, 1:]`),
         `(B, C)` for encoder-decoder rows. With `stats`, the `TokenLogprobs` too (entropy, TRL's token statistics,
-        aux loss). `include_prompt` scores the prompt tokens too (ORPO's NLL): each row is then encoded whole."""
+        aux loss; over the completion tokens). `include_prompt` scores the prompt tokens too (ORPO's NLL): from the
+        shared prompt pass, once per prompt, where prompts are shared."""
         if isinstance(sequences, EncoderDecoderSequences):
             out = self._decoder_logps(model, sequences, stats)
-        else:
-            out = self._causal_logps(model, sequences, stats, share_prompts=not include_prompt)
-        logps = out.logps * sequences.token_mask(include_prompt)
-        return (logps, out) if stats else logps
-
-    def _causal_logps(self, model, sequences: SequenceBatch, stats: bool, share_prompts: bool) -> TokenLogprobs:
+            return (out.logps * sequences.token_mask(), out) if stats else out.logps * sequences.token_mask()
         width = sequences.input_ids.size(1) - 1
         options = dict(self._logp_options(stats), padding_free=self.args.padding_free)  # docs/padding_free.md
         extra = sequences.model_inputs()  # image tensors and per-token inputs of vision-language rows
         router_logits = options["output_router_logits"]
-        share = share_prompts and not self.args.padding_free
-        share = share and self.uses_shared_prefix(model, "log-prob forward", extra, router_logits)
+        share = not self.args.padding_free and self.uses_shared_prefix(model, "log-prob forward", extra, router_logits)
         layout = SharedPromptLayout.build(sequences, self._pad_token_id()) if share else None
-        if layout is None:
+        if layout is None:  # every position of each row scored: the prompt's too
             with self.accelerator.autocast():
-                return compute_token_logprobs(
+                out = compute_token_logprobs(
                     model, sequences.input_ids, sequences.attention_mask, width, use_cache=False, **options, **extra
                 )
-        # each distinct prompt encoded once (the rows of one preference row share it)
-        with self.accelerator.autocast():
-            out = compute_token_logprobs(
-                model, layout.input_ids, layout.attention_mask, layout.targets.size(1), shared_prefix=True,
-                position_ids=layout.position_ids, **options,
-            )  # fmt: skip
-        return out.map(lambda values: layout.scatter(values, width))
+            logps = out.logps
+        else:  # each distinct prompt encoded once (the rows of one preference row share it)
+            with self.accelerator.autocast():
+                out = compute_token_logprobs(
+                    model, layout.input_ids, layout.attention_mask, layout.targets.size(1), shared_prefix=True,
+                    position_ids=layout.position_ids, score_prompt=include_prompt, **options,
+                )  # fmt: skip
+            out = out.map(lambda values: layout.scatter(values, width))
+            logps = out.logps
+            if include_prompt:
+                logps = logps + layout.scatter_prompt(out.prompt_logps, width)
+        logps = logps * sequences.token_mask(include_prompt)
+        return (logps, out) if stats else logps
 
     def _decoder_logps(self, model, sequences: EncoderDecoderSequences, stats: bool) -> TokenLogprobs:
         options = self._logp_options(stats)
