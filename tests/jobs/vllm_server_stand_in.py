@@ -10,12 +10,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class VLLMServerStandIn:
     """`server = VLLMServerStandIn(); server.url`; `server.down()` / `server.up()`; `server.stall_for = seconds` delays
-    the next completion; `server.requests`: `"METHOD /path"` in order, `server.bodies` their JSON bodies.
-    Completions are `completion` (token ids, log-prob -0.5 each), `n` per prompt."""
+    the next completion; `server.hang()` makes every completion and `/health` request wait until `server.release()`
+    (a hung server: it accepts connections but never answers); `server.requests`: `"METHOD /path"` in order,
+    `server.bodies` their JSON bodies. Completions are `completion` (token ids, log-prob -0.5 each), `n` per prompt."""
 
     def __init__(self, completion=(7, 8, 9), world_size=1):
         self.completion, self.world_size = list(completion), world_size
         self.requests, self.bodies, self.stall_for = [], [], 0.0
+        self.answering, self.hang_after = threading.Event(), None
+        self.answering.set()
         self.server, self.port = None, 0
         self.up()
 
@@ -28,11 +31,23 @@ class VLLMServerStandIn:
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
+    def hang(self, after: int = 0) -> None:
+        """Hang from now on, or once `after` more completion requests have been answered."""
+        self.hang_after = after
+        if after == 0:
+            self.answering.clear()
+
+    def release(self) -> None:
+        self.answering.set()
+
     def down(self) -> None:
+        self.release()
         self.server.shutdown()
         self.server.server_close()  # the port refuses connections until up()
 
     def _answer(self, method: str, path: str, body: dict | None):
+        if path in ("/v1/completions", "/health"):
+            self.answering.wait(timeout=120)  # a hung server (`hang()`): no answer until `release()`
         self.requests.append(f"{method} {path}")
         self.bodies.append(body)
         if path == "/v1/models":
@@ -40,6 +55,10 @@ class VLLMServerStandIn:
         if path == "/get_world_size":
             return {"world_size": self.world_size}
         if path == "/v1/completions":
+            if self.hang_after is not None:
+                self.hang_after -= 1
+                if self.hang_after <= 0:
+                    self.answering.clear()  # the next request hangs
             if self.stall_for:
                 stall, self.stall_for = self.stall_for, 0.0
                 time.sleep(stall)

@@ -6,9 +6,11 @@ thread outlives train(). The real server is tests/vllm."""
 
 import threading
 import time
+import types
 
 import pytest
 import torch
+from datasets import Dataset
 from transformers import TrainerCallback
 
 from tests.helpers import grpo_args, prompt_dataset, rloo_args, varied_reward
@@ -117,3 +119,166 @@ def test_a_producer_error_reaches_train_at_once(tokenizer, tmp_path, engines):
 def test_async_rollouts_need_a_server(tmp_path):
     with pytest.raises(ValueError, match="async_rollouts=True needs .* vllm_mode='server'"):
         grpo_args(tmp_path, async_rollouts=True)
+
+
+# ------------------------------------------------------------------ the producer's thread contract
+def test_two_threads_never_hand_one_environment_instance_to_two_rounds(monkeypatch):
+    """The producer assigns instances while the trainer releases others: 10,000 rounds of 3 rows over two threads,
+    switching threads as often as the interpreter allows; no instance is ever held by two rounds at once."""
+    import sys
+
+    from trl_unified.online.agents import Environments
+
+    class Plain:
+        def reset(self, **kwargs):
+            return None
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    environments, holders, clashes = Environments(Plain, []), {}, []
+
+    def rounds(tag):
+        for i in range(5000):
+            instances = environments.assign([{}] * 3)
+            for instance in instances:
+                if holders.setdefault(id(instance), (tag, i)) != (tag, i):
+                    clashes.append((tag, i))
+            for instance in instances:
+                holders.pop(id(instance), None)
+            environments.release(instances)
+
+    try:
+        threads = [threading.Thread(target=rounds, args=(tag,)) for tag in ("producer", "trainer")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(previous)
+    assert clashes == []
+    assert sorted(map(id, environments.free[None])) == sorted(map(id, environments.pool[None]))  # all returned
+    # On CPython's GIL the unguarded list updates happen to be atomic too; the exclusion itself, checked directly:
+    # while one thread is inside the pool's critical section, another's assign and release wait for it.
+    with environments._lock:
+        waiting = [
+            threading.Thread(target=environments.assign, args=([{}],)),
+            threading.Thread(target=environments.release, args=(list(environments.pool[None][:1]),)),
+        ]
+        for thread in waiting:
+            thread.start()
+            thread.join(timeout=0.2)
+            assert thread.is_alive()
+    for thread in waiting:
+        thread.join(timeout=5)
+        assert not thread.is_alive()
+
+
+class SeenPrompt:
+    """An environment that remembers the prompt its `reset` saw (a reward reading it must read its own row's)."""
+
+    def reset(self, prompt, **kwargs):
+        self.seen = prompt
+
+    def get_reward(self) -> float:
+        return 0.0
+
+
+def test_every_reward_reads_the_environment_of_its_own_row(monkeypatch, tmp_path):
+    """Asynchronous rollouts with environments, max_staleness=2, 30 steps: the producer resets the next rounds'
+    instances while the trainer scores and trains on earlier ones; every row's environment saw that row's prompt."""
+    from tests.helpers import SnapshotEngine
+    from trl_unified.generation.vllm_engine import VLLMEngine
+    from trl_unified.testing import build_tool_tokenizer
+
+    tokenizer = build_tool_tokenizer()
+    monkeypatch.setattr(VLLMEngine, "from_args", staticmethod(lambda args, m, a: SnapshotEngine(args, tokenizer)))
+    mismatches, scored = [], []
+
+    def own_row(prompts, environments, **kwargs):
+        scored.append(len(prompts))
+        mismatches.extend(p for p, e in zip(prompts, environments) if e.seen != p)
+        return [float(e.seen == p) for p, e in zip(prompts, environments)]
+
+    prompts = [[{"role": "user", "content": f"what is {i} plus {i + 1}"}] for i in range(40)]
+    args = grpo_args(tmp_path, use_vllm=True, vllm_mode="server", async_rollouts=True, max_staleness=2, max_steps=30,
+                     per_device_train_batch_size=4, num_generations=2, max_completion_length=3)  # fmt: skip
+    trainer = GRPOTrainer(
+        build_causal_lm(tokenizer), [own_row], args=args, processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": prompts}), environment_factory=SeenPrompt,
+    )  # fmt: skip
+    trainer.train()
+    assert len(scored) == 30 and mismatches == []
+    assert all(e.seen in prompts for e in trainer.environments)  # the round trained last
+    assert not producer_threads()
+
+
+def stand_in_trainer(server, tokenizer, tmp_path, **overrides):
+    """GRPO with asynchronous rollouts against the HTTP stand-in server (tests/jobs/vllm_server_stand_in.py)."""
+    settings = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, vllm_server_timeout=20,
+                    async_rollouts=True, max_steps=3, per_device_train_batch_size=4, num_generations=2)  # fmt: skip
+    args = grpo_args(tmp_path, **{**settings, **overrides})
+    return GRPOTrainer(build_causal_lm(tokenizer), varied_reward, args=args, train_dataset=prompt_dataset(32),
+                       processing_class=tokenizer)  # fmt: skip
+
+
+@pytest.fixture
+def server():
+    from tests.jobs.vllm_server_stand_in import VLLMServerStandIn
+
+    stand_in = VLLMServerStandIn()
+    yield stand_in
+    stand_in.down()
+
+
+def test_a_slow_round_of_a_working_server_is_not_taken_for_a_hang(server, tokenizer, tmp_path):
+    """A round takes 3 s, heartbeat_stale_after_s=1: the server answers /health meanwhile, so training waits."""
+    server.stall_for = 3.0
+    trainer = stand_in_trainer(server, tokenizer, tmp_path, heartbeat_stale_after_s=1.0)
+    trainer.train()
+    assert trainer.state.global_step == 3 and not producer_threads()
+    waits = [log["perf/rollout_wait_s"] for log in trainer.state.log_history if "perf/rollout_wait_s" in log]
+    assert max(waits) > 1.0, waits
+
+
+def test_a_hung_server_trips_the_heartbeat_with_its_url_and_no_thread_survives(server, tokenizer, tmp_path):
+    """The server hangs after its first completion (no answer, /health included): train() raises TimeoutError naming
+    the server within seconds, and the producer, blocked in its request, is stopped (the request aborted)."""
+    server.hang(after=1)
+    trainer = stand_in_trainer(server, tokenizer, tmp_path, heartbeat_stale_after_s=1.0, max_steps=6)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"engine at {server.url} does not answer"):
+        trainer.train()
+    assert time.monotonic() - start < 30
+    assert not producer_threads()
+
+
+def test_the_producer_ends_with_stop_iteration_every_time():
+    """After the end of the data, `next()` raises StopIteration again at once (an iterator's contract)."""
+    from trl_unified.generation.vllm_engine import VLLMEngine
+    from trl_unified.online.async_rollouts import AsyncRollouts, EpochStart, ProducerLimits, RoundSchedule
+
+    engine = VLLMEngine(types.SimpleNamespace())
+    engine.synced = (0, 0)
+    limits = ProducerLimits(
+        max_staleness=1, queued_rounds=2, heartbeat_stale_after_s=60, stop_timeout_s=5, weight_sync_timeout=5
+    )
+    producer = AsyncRollouts(
+        iter([["a"], ["b"], ["c"]]),
+        sample=lambda rows: list(rows),
+        engine=engine,
+        schedule=RoundSchedule(window=2, accumulation=1),
+        start=EpochStart(step=0, micro_step=0, has_round=False),
+        limits=limits,
+        prepare_round=lambda step: setattr(engine, "synced", (0, step)),  # the trainer's sync for the round's gate
+    )
+    batches = list(producer)
+    assert [b.opens_round for b in batches] == [True, False, True] and [b.samples for b in batches][::2] == [
+        ["a"], ["c"]
+    ]  # fmt: skip
+    for _ in range(2):
+        start = time.monotonic()
+        with pytest.raises(StopIteration):
+            next(producer)
+        assert time.monotonic() - start < 0.1
+    producer.close()
+    assert not producer.thread.is_alive()

@@ -56,12 +56,8 @@ def named_weights(model, accelerator=None) -> Iterator[tuple[str, torch.Tensor]]
     unwrapped = getattr(unwrapped, "_orig_mod", unwrapped)
     is_peft = is_peft_model(unwrapped)
     gather_each = _deepspeed_zero3(accelerator) and not is_peft  # ZeRO-3: one parameter at a time (PEFT: all at once)
-    FSDP, wrapped = fsdp1_class(), (getattr(accelerator, "_models", None) or [None])[0]
     with contextlib.ExitStack() as stack:
-        if _deepspeed_zero3(accelerator) and is_peft:  # all at once: merging needs base and adapter together
-            stack.enter_context(zero3_gathered(unwrapped.parameters()))
-        elif FSDP is not None and isinstance(wrapped, FSDP):  # FSDP1: the full parameters summoned
-            stack.enter_context(FSDP.summon_full_params(wrapped, writeback=False))
+        stack.enter_context(_full_parameters(unwrapped, accelerator, everything=is_peft))
         if is_peft:
             unwrapped.merge_adapter()
             stack.callback(unwrapped.unmerge_adapter)
@@ -80,6 +76,23 @@ def named_weights(model, accelerator=None) -> Iterator[tuple[str, torch.Tensor]]
                 elif _deepspeed_zero3(accelerator):  # the gathered storage is released when the context exits
                     tensor = tensor.clone()
                 yield _vllm_name(name), tensor
+
+
+@contextlib.contextmanager
+def _full_parameters(model, accelerator, everything: bool):
+    """ZeRO-3 with PEFT (`everything`): every parameter gathered at once (merging needs base and adapter together);
+    FSDP1: the full parameters summoned. Otherwise nothing (ZeRO-3 parameters are then gathered one at a time)."""
+    if _deepspeed_zero3(accelerator) and everything:
+        with zero3_gathered(model.parameters()):
+            yield
+        return
+    FSDP = fsdp1_class()
+    wrapped = (getattr(accelerator, "_models", None) or [None])[0]
+    if FSDP is not None and isinstance(wrapped, FSDP):
+        with FSDP.summon_full_params(wrapped, writeback=False):
+            yield
+        return
+    yield
 
 
 # ---------------------------------------------------------------------------------------------------- sampling
@@ -180,6 +193,14 @@ class VLLMEngine:
     def sync_weights(self, model, accelerator) -> None:
         raise NotImplementedError
 
+    def responsive(self, timeout: float) -> bool:
+        """Whether the engine answers now (a server: its `/health` within `timeout` seconds). While a long request
+        is in flight, an engine that answers is working; one that does not is stalled."""
+        return True
+
+    def abort_requests(self, thread: threading.Thread) -> None:
+        """Make `thread`'s request in flight fail at once, and its later requests too (a producer being stopped)."""
+
     def close(self) -> None:
         pass
 
@@ -218,7 +239,8 @@ def check_vllm_settings(args, model, accelerator) -> None:
         require_vllm()
         if args.vllm_enable_sleep_mode and not torch.cuda.is_available():
             raise ValueError("vllm_enable_sleep_mode=True needs a CUDA device (vLLM's sleep mode is CUDA-only).")
-        world, tp = accelerator.num_processes if accelerator is not None else 1, args.vllm_tensor_parallel_size
+        world = accelerator.num_processes if accelerator is not None else 1
+        tp = args.vllm_tensor_parallel_size
         if world % tp:
             raise ValueError(
                 f"vllm_tensor_parallel_size={tp} must divide the number of training processes ({world}): in "
@@ -235,12 +257,25 @@ def check_vllm_settings(args, model, accelerator) -> None:
                 )
 
 
+def _engine_dtype(model) -> str:
+    """vLLM's `dtype` for the policy's weights: float32, bfloat16 or float16 by name, else vLLM's choice."""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
+
+
+def _free_port() -> int:
+    """A TCP port on loopback that no one listens on now (the colocated engine's process group)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 class VLLMColocateEngine(VLLMEngine):
     def __init__(self, args, model, accelerator):
         super().__init__(args, args.vllm_structured_outputs_regex, engine_generation_kwargs(args))
         unwrapped = accelerator.unwrap_model(model)
         base = base_model(getattr(unwrapped, "_orig_mod", unwrapped))
-        tp, dtype = args.vllm_tensor_parallel_size, str(next(base.parameters()).dtype).removeprefix("torch.")
+        tp = args.vllm_tensor_parallel_size
         self.tp_group = None
         if tp > 1:
             self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
@@ -252,7 +287,7 @@ class VLLMColocateEngine(VLLMEngine):
             max_model_len=args.vllm_max_model_length,
             enable_sleep_mode=args.vllm_enable_sleep_mode,
             model_impl=args.vllm_model_impl,
-            dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "auto",
+            dtype=_engine_dtype(base),
             seed=accelerator.process_index // tp,
         )
         key = json.dumps([base.config.to_diff_dict(), settings], sort_keys=True, default=str)
@@ -261,15 +296,15 @@ class VLLMColocateEngine(VLLMEngine):
             self.llm = _ENGINES[key]
             return
         # The engine starts from the config alone, with placeholder weights: the first generation syncs the policy's
+        # weights into it (`ensure_synced`).
         folder = tempfile.mkdtemp(prefix="trl_unified-vllm-")
         base.config.save_pretrained(folder)
         os.environ["RANK"] = str(accelerator.process_index)
         os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
         os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(_free_port())
         if accelerator.device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU backend's own default is larger
         from vllm import LLM
@@ -360,7 +395,10 @@ def write_checkpoint(folder, config, weights, write: bool) -> None:
     process (gathering may be collective); `write` says whether this process writes them."""
     from safetensors.torch import save_file
 
-    tensors = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in weights if write}
+    tensors = {}
+    for name, tensor in weights:  # every process iterates: each step may gather a sharded weight (a collective)
+        if write:
+            tensors[name] = tensor.detach().to("cpu").contiguous().clone()
     if write:
         os.makedirs(folder, exist_ok=True)
         config.save_pretrained(folder)

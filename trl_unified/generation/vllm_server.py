@@ -2,13 +2,14 @@
 (token ids in, token ids and log-probs out); weight sync, and faults, as docs/vllm.md ("Modes", "Faults") describes."""
 
 import contextlib
+import http.client
 import json
 import logging
 import os
+import socket
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from typing import Any
 
 import torch
@@ -19,7 +20,11 @@ from .vllm_engine import VLLMEngine, engine_generation_kwargs, group_runs, named
 
 logger = logging.getLogger(__name__)
 
-_UNREACHABLE = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)  # HTTPError (an answer) is handled
+_UNREACHABLE = (ConnectionError, TimeoutError, OSError, http.client.HTTPException)  # an HTTP error status is handled
+
+
+class RequestAborted(RuntimeError):
+    """A request stopped by `abort_requests` (its thread is being stopped): never retried."""
 
 
 class VLLMServerEngine(VLLMEngine):
@@ -35,28 +40,36 @@ class VLLMServerEngine(VLLMEngine):
         ).rstrip("/")
         self.weights_dir = os.path.join(os.path.abspath(args.output_dir), "vllm-weights")
         self.transfer = None  # the NCCL weight-transfer group, opened at the first sync (vllm_weight_transfer="nccl")
+        # The connection each thread has open (a producer's request can be aborted from the thread stopping it), and
+        # the threads whose requests were aborted: their next attempt raises instead of retrying.
+        self._connections: dict[threading.Thread, http.client.HTTPConnection] = {}
+        self._aborted: set[threading.Thread] = set()
+        self._connections_lock = threading.Lock()
         self._wait_until_up(args.vllm_server_timeout, "start-up")
         self.served_model = self._request("GET", "/v1/models", phase="start-up")["data"][0]["id"]
-        # TRL's warning: log-probs before temperature (vLLM's default) bias the importance-sampling correction
-        with contextlib.suppress(Exception):  # an older server without /server_info: nothing to check
-            if accelerator.is_main_process:
-                info = self._send("GET", "/server_info?config_format=json", None, 10)
-                mode = str(info["vllm_config"]["model_config"]["logprobs_mode"])
-                if "processed_logprobs" not in mode:
-                    logger.warning(
-                        f"The vLLM server returns {mode} log-probs; start it with `--logprobs-mode "
-                        "processed_logprobs` so that they are taken after temperature, as the trainer's (the "
-                        "importance-sampling correction reads them)."
-                    )
+        if accelerator.is_main_process:
+            self._check_logprobs_mode()
+
+    def _check_logprobs_mode(self) -> None:
+        """TRL's warning: log-probs before temperature (vLLM's default) bias the importance-sampling correction."""
+        try:
+            info = self._send("GET", "/server_info?config_format=json", None, 10)
+            mode = str(info["vllm_config"]["model_config"]["logprobs_mode"])
+        except Exception:  # noqa: BLE001 (an older server without /server_info: nothing to check)
+            return
+        if "processed_logprobs" not in mode:
+            logger.warning(
+                f"The vLLM server returns {mode} log-probs; start it with `--logprobs-mode processed_logprobs` so "
+                "that they are taken after temperature, as the trainer's (the importance-sampling correction reads "
+                "them)."
+            )
 
     # ---------------------------------------------------------------------------------------------------- HTTP
     def _wait_until_up(self, timeout: float, phase: str) -> None:
         deadline, delay = time.monotonic() + timeout, 0.5
         while True:
-            with contextlib.suppress(*_UNREACHABLE):
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
+            if self.responsive(timeout=5):
+                return
             if time.monotonic() >= deadline:
                 hint = (
                     f" Start it first, e.g. `VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --port "
@@ -68,23 +81,59 @@ class VLLMServerEngine(VLLMEngine):
                     f"The vLLM server at {self.base_url} did not answer /health within vllm_server_timeout="
                     f"{timeout}s ({phase}{self.context()}).{hint}"
                 )
+            self._check_not_aborted()
             time.sleep(delay)
             delay = min(2 * delay, 5.0)
 
-    def _send(self, method: str, path: str, body: dict | None, timeout: float) -> Any:
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(
-            self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
-        )
+    def responsive(self, timeout: float) -> bool:
+        """`/health` answers 200 within `timeout` seconds."""
+        with contextlib.suppress(*_UNREACHABLE):
+            return self._exchange("GET", "/health", None, timeout)[0] == 200
+        return False
+
+    def _exchange(self, method: str, path: str, body: dict | None, timeout: float) -> tuple[int, str]:
+        """`(status, text)` of one HTTP request, on a connection registered for this thread (`abort_requests`)."""
+        url = urllib.parse.urlsplit(self.base_url)
+        kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        connection = kind(url.hostname, url.port, timeout=timeout)
+        thread = threading.current_thread()
+        with self._connections_lock:
+            self._connections[thread] = connection
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                text = response.read().decode()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:500]
+            data = json.dumps(body).encode() if body is not None else None
+            connection.request(method, url.path + path, body=data, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            return response.status, response.read().decode(errors="replace")
+        finally:
+            with self._connections_lock:
+                self._connections.pop(thread, None)
+            connection.close()
+
+    def abort_requests(self, thread: threading.Thread) -> None:
+        """Shut the socket of `thread`'s request in flight (its read fails at once) and mark the thread, so that
+        its next attempt raises `RequestAborted` instead of retrying."""
+        with self._connections_lock:
+            self._aborted.add(thread)
+            connection = self._connections.get(thread)
+        if connection is not None and connection.sock is not None:
+            with contextlib.suppress(OSError):
+                connection.sock.shutdown(socket.SHUT_RDWR)
+
+    def _check_not_aborted(self) -> None:
+        thread = threading.current_thread()
+        with self._connections_lock:
+            if thread in self._aborted:
+                self._aborted.discard(thread)
+                raise RequestAborted(f"The request to the vLLM server at {self.base_url} was aborted (stopping).")
+
+    def _send(self, method: str, path: str, body: dict | None, timeout: float) -> Any:
+        self._check_not_aborted()
+        status, text = self._exchange(method, path, body, timeout)
+        if status >= 400:
             hint = ""
-            if e.code == 404 and path.split("?")[0] in ("/collective_rpc", "/reset_prefix_cache"):
+            if status == 404 and path.split("?")[0] in ("/collective_rpc", "/reset_prefix_cache"):
                 hint = " Start the server with VLLM_SERVER_DEV_MODE=1: weight sync needs its /collective_rpc endpoint."
-            raise RuntimeError(f"vLLM server {method} {path} failed with HTTP {e.code}: {detail}.{hint}") from e
+            raise RuntimeError(f"vLLM server {method} {path} failed with HTTP {status}: {text[:500]}.{hint}")
         return json.loads(text) if text else None
 
     def _request(self, method: str, path: str, body: dict | None = None, timeout=None, phase: str = "") -> Any:
@@ -95,6 +144,7 @@ class VLLMServerEngine(VLLMEngine):
             try:
                 return self._send(method, path, body, timeout or self.args.vllm_server_timeout)
             except _UNREACHABLE as error:
+                self._check_not_aborted()  # a request aborted while it was in flight: raise, do not retry
                 try:
                     if time.monotonic() >= deadline:
                         raise
@@ -190,8 +240,14 @@ class VLLMServerEngine(VLLMEngine):
         settings, completions, logprobs = self.sampling_settings(generation_config, eos_token_ids), [], []
         with self.lock:  # no reload while this process's requests run
             for prompts, n in self._requests(group_runs(prompt_ids)):
-                body = {"model": self.served_model, "prompt": prompts, "n": n, "return_token_ids": True,
-                        "skip_special_tokens": False, **settings}  # fmt: skip
+                body = {
+                    "model": self.served_model,
+                    "prompt": prompts,
+                    "n": n,
+                    "return_token_ids": True,
+                    "skip_special_tokens": False,
+                    **settings,
+                }
                 response = self._request("POST", "/v1/completions", body, self.args.request_timeout, "generation")
                 for choice in sorted(response["choices"], key=lambda c: c["index"]):
                     ids = list(choice["token_ids"])
@@ -222,8 +278,13 @@ class NCCLWeightTransfer:
 
         self.engine, timeout = engine, engine.args.weight_sync_timeout
         world = engine._request("GET", "/get_world_size", phase="weight-transfer set-up")["world_size"]
-        info = {"master_address": get_ip(), "master_port": get_open_port(), "rank_offset": 1,
-                "world_size": world + 1, "packed": True}  # fmt: skip
+        info = {
+            "master_address": get_ip(),
+            "master_port": get_open_port(),
+            "rank_offset": 1,
+            "world_size": world + 1,  # the server's workers, then this process
+            "packed": True,
+        }
         self.group = self._alongside(
             lambda: trainer_init(info), "POST", "/init_weight_transfer_engine", {"init_info": info}, timeout
         )
@@ -234,15 +295,19 @@ class NCCLWeightTransfer:
         timeout, request = self.engine.args.weight_sync_timeout, self.engine._request
         request("POST", "/pause?mode=keep", None, timeout, "weight sync")
         request("POST", "/start_weight_update", {"is_checkpoint_format": True}, timeout, "weight sync")
-        info = {"names": [name for name, _ in weights], "shapes": [list(t.shape) for _, t in weights],
-                "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in weights]}  # fmt: skip
+        info = {
+            "names": [name for name, _ in weights],
+            "shapes": [list(t.shape) for _, t in weights],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in weights],
+        }
+
+        def broadcast():
+            return packed_nccl_broadcast_producer(
+                iterator=iter(weights), group=self.group, src=0, post_iter_func=lambda item: item[1]
+            )
+
         try:
-            self._alongside(
-                lambda: packed_nccl_broadcast_producer(
-                    iterator=iter(weights), group=self.group, src=0, post_iter_func=lambda item: item[1]
-                ),
-                "POST", "/update_weights", {"update_info": info}, timeout,
-            )  # fmt: skip
+            self._alongside(broadcast, "POST", "/update_weights", {"update_info": info}, timeout)
         finally:
             request("POST", "/finish_weight_update", None, timeout, "weight sync")
             request("POST", "/resume", None, timeout, "weight sync")

@@ -4,10 +4,11 @@ Ck` never re-tokenised, `tool_mask`, errors the model reads, environments per ro
 """
 
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Any
 
-from trl import add_response_schema, get_training_chat_template
+from trl import add_response_schema, get_training_chat_template, supports_tool_calling
 from trl.chat_template_utils import is_chat_template_prefix_preserving
 
 from ..models.loading import get_tokenizer
@@ -36,6 +37,16 @@ def check_tool(tool: Callable, where: str = "tools") -> None:
         )
 
 
+def check_tool_support(processing_class) -> None:
+    """Tools are rendered by the chat template: it must render a whole tool-calling conversation."""
+    if not supports_tool_calling(processing_class):
+        raise ValueError(
+            "The provided chat template does not support tool calling. The template must be able to render a "
+            "full tool-calling conversation (user -> assistant with tool_calls -> tool). Use a model whose chat "
+            "template has tool support, or set processing_class.chat_template to one (e.g. TRL's qwen2_5 one)."
+        )
+
+
 def environment_methods(instance) -> list[Callable]:
     """The public methods of an environment instance (its tools): functions defined on the class, not starting with
     `_`, other than `reset` and `get_reward`, in alphabetical order, bound to `instance`."""
@@ -48,7 +59,9 @@ def environment_methods(instance) -> list[Callable]:
 
 class Environments:
     """The environments of an online trainer: factories, a pool of instances reused across batches, one instance per
-    rollout row, `reset` and the environment-owned rewards.
+    rollout row, `reset` and the environment-owned rewards. `assign` and `release` may run in different threads (the
+    rollout producer assigns, the trainer releases): the free lists change under one lock, so an instance is never
+    held by two rounds.
 
     Args:
         factory (`Callable` or `dict[str, Callable]`): one factory, or one per name (rows pick theirs with their
@@ -82,7 +95,8 @@ class Environments:
                 reward_types.append(type(instance))
                 self.reward_funcs.append((type(instance).__name__, _environment_reward(type(instance))))
         self.free = {name: list(pool) for name, pool in self.pool.items()}  # instances no round holds
-        self.instances: list | None = None  # the last batch's, one per row
+        self.instances: list | None = None  # the last round assigned, one per row
+        self._lock = threading.Lock()  # guards `pool`, `free` and `instances`
 
     def assign(self, rows: list[dict[str, Any]]) -> list:
         """One instance per row, in row order, taken from the pool's free instances (new ones made as needed) until
@@ -95,19 +109,27 @@ class Environments:
                     f"`environment_factory`. Expected one of: {list(self.factories)}."
                 )
         instances = []
-        for name in names:
-            if not self.free[name]:
-                self.pool[name].append(self.factories[name]())
-                self.free[name].append(self.pool[name][-1])
-            instances.append(self.free[name].pop(0))
-        self.instances = instances
+        with self._lock:
+            for name in names:
+                if not self.free[name]:
+                    self.free[name].append(self._new_instance(name))
+                instances.append(self.free[name].pop(0))
+            self.instances = instances
         return instances
+
+    def _new_instance(self, name):
+        """A new instance of environment `name`, added to the pool (held by the caller's round)."""
+        instance = self.factories[name]()
+        self.pool[name].append(instance)
+        return instance
 
     def release(self, instances: list) -> None:
         """Return a round's instances to the pool, first in line again (a synchronous run reuses the same ones)."""
-        for name in self.factories:
-            own = {id(instance) for instance in self.pool[name]}
-            self.free[name] = [i for i in instances if id(i) in own] + self.free[name]
+        with self._lock:
+            for name in self.factories:
+                own = {id(instance) for instance in self.pool[name]}
+                returned = [i for i in instances if id(i) in own]
+                self.free[name] = returned + self.free[name]
 
     def reset(self, rows: list[dict[str, Any]], prompts: list, instances: list) -> list:
         """`reset(**row)` on each row's instance (without the routing `environment` column in dict mode); a returned

@@ -13,7 +13,7 @@ import torch
 from accelerate.utils import gather, set_seed
 from datasets import IterableDataset
 from transformers.trainer_utils import get_last_checkpoint
-from trl import is_conversational, prepare_multimodal_messages, supports_tool_calling
+from trl import is_conversational, prepare_multimodal_messages
 
 from ..core.logprobs import TokenLogprobs
 from ..core.reference import prepare_frozen_model
@@ -22,8 +22,8 @@ from ..data.datasets import get_images
 from ..generation import GenerationOutput
 from ..generation.vllm_engine import VLLMEngine
 from ..models.loading import cast_lm_head_to_fp32, get_tokenizer
-from .agents import EMPTY_PROMPT, Environments, check_tool, prepare_tool_template
-from .async_rollouts import AsyncRollouts
+from .agents import EMPTY_PROMPT, Environments, check_tool, check_tool_support, prepare_tool_template
+from .async_rollouts import AsyncRollouts, EpochStart, ProducerLimits, RoundSchedule, ScheduledRows
 from .completion_log import CompletionLog
 from .completions import CompletionsMixin, row_value
 from .config import OnlineConfig
@@ -98,21 +98,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
             cast_lm_head_to_fp32(self.model)
             if self.reference_model.kind == "copy":
                 cast_lm_head_to_fp32(self.accelerator.unwrap_model(self.reference_model.model))
-        for tool in self._standalone_tools:  # tools and environments (online/agents.py), before the reward functions
-            check_tool(tool)
-        factory = self._environment_factory
-        self._env = Environments(factory, self._standalone_tools) if factory is not None else None
-        self.tools = list(self._standalone_tools)
-        self.tools += [m for tools in self._env_tools.values() for m in tools if m not in self.tools]
-        if (self.tools or factory) and not supports_tool_calling(self.processing_class):
-            raise ValueError(
-                "The provided chat template does not support tool calling. The template must be able to render a "
-                "full tool-calling conversation (user -> assistant with tool_calls -> tool). Use a model whose chat "
-                "template has tool support, or set processing_class.chat_template to one (e.g. TRL's qwen2_5 one)."
-            )
-        self.chat_template = prepare_tool_template(self.processing_class) if self.tools else None
-        self.max_tool_calling_iterations = self.args.max_tool_calling_iterations
-        self._event_loop = EventLoopThread() if any(is_async_callable(t) for t in self.tools) else None
+        self._setup_agents()
         self.rewards = self.build_rewards()
         self._check_prompt_lengths()
         self.use_vllm, self.vllm_mode = self.args.use_vllm, self.args.vllm_mode  # TRL's attributes
@@ -122,9 +108,29 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
             self.vllm_engine.context = self._where
         self.plan = self.rollout_plan()
         self._step, self._buffer, self._rollout, self._step_time = 0, None, None, 0.0
+        self.schedule = RoundSchedule(
+            window=self.args.steps_per_generation * self.args.num_iterations,
+            accumulation=self.args.gradient_accumulation_steps,
+        )
         self._producer = None  # asynchronous rollouts: this epoch's producer (online/async_rollouts.py)
+        self._trained_environments = None  # the environment instances of the round being trained
         self.completion_log = CompletionLog(self.args.generation_batch_size)
         set_seed(self.args.seed, device_specific=True)  # each process samples differently, reproducibly
+
+    def _setup_agents(self) -> None:
+        """Tools, environments and their checks (online/agents.py), once, before the reward functions (an
+        environment's `get_reward` is one)."""
+        for tool in self._standalone_tools:
+            check_tool(tool)
+        factory = self._environment_factory
+        self._env = Environments(factory, self._standalone_tools) if factory is not None else None
+        self.tools = list(self._standalone_tools)
+        self.tools += [m for tools in self._env_tools.values() for m in tools if m not in self.tools]
+        if self.tools or factory is not None:
+            check_tool_support(self.processing_class)
+        self.chat_template = prepare_tool_template(self.processing_class) if self.tools else None
+        self.max_tool_calling_iterations = self.args.max_tool_calling_iterations
+        self._event_loop = EventLoopThread() if any(is_async_callable(t) for t in self.tools) else None
 
     # ------------------------------------------------------------------ TRL's attributes (callbacks read them)
     reward_weights = property(attrgetter("rewards.weights"))
@@ -135,10 +141,16 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
     num_generations_eval = property(lambda self: self.args.num_generations_eval or self.args.num_generations)
     _shuffle_unit = property(lambda self: self.num_generations if self.shuffles_groups else 1)
     environment_factories = property(lambda self: self._env.factories if self._env is not None else None)
-    # The environment instances of the last generation batch, one per row (None without environments).
-    environments = property(lambda self: self._env.instances if self._env is not None else None)
+    environments = property(lambda self: self._current_environments())
     _env_tools = property(lambda self: self._env.tools if self._env is not None else {})
     _environment_pool = property(lambda self: self._env.pool if self._env is not None else {})
+
+    def _current_environments(self) -> list | None:
+        """TRL's `environments`: one instance per row of the round being trained (before the first, the last round's
+        assigned); None without environments."""
+        if self._env is None:
+            return None
+        return self._trained_environments if self._trained_environments is not None else self._env.instances
 
     def group_size(self, mode: str) -> int:
         """G: the completions per prompt of `mode`'s generation batches (contiguous groups of G rows)."""
@@ -180,23 +192,34 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
     def correct_sampling(self, batch: RolloutBatch) -> None:
         """Correct `batch` for its sampling engine once π_old is known (default: nothing)."""
 
-    def generation_options(self) -> dict[str, Any]:
-        continuous_batching, batching = None, self.args.use_transformers_continuous_batching
-        if batching:
-            from transformers.generation import ContinuousBatchingConfig
+    def truncate_rollout(self, batch: RolloutBatch) -> None:
+        """Cut the rows of a sampled batch before its log-probs are computed (default: nothing; online DPO: prompts
+        lose their first tokens to fit `max_length`, as TRL's)."""
 
-            kwargs = self.args.transformers_continuous_batching_config or {}
-            continuous_batching = ContinuousBatchingConfig(**{"max_memory_percent": 0.5, **kwargs})  # TRL's default
-        conditions = dict(generation_config=self.make_generation_config(), continuous_batching=batching)
+    def generation_options(self) -> dict[str, Any]:
+        conditions = dict(
+            generation_config=self.make_generation_config(),
+            continuous_batching=self.args.use_transformers_continuous_batching,
+        )
         with torch.no_grad():  # generation runs without grad (and with checkpointing off)
             shared = self.uses_shared_prefix(self.model, "generation", **conditions)
         return {
             "shared_prefix": shared,
             "gather_deepspeed3_params": self.args.ds3_gather_for_generation,
             "pad_to_multiple_of": self.args.pad_to_multiple_of,
-            "continuous_batching": continuous_batching,
+            "continuous_batching": self._continuous_batching_config(),
             "vllm": self._synced_vllm_engine(),
         }
+
+    def _continuous_batching_config(self):
+        """transformers' `ContinuousBatchingConfig` with `use_transformers_continuous_batching` (None without it):
+        `transformers_continuous_batching_config` over TRL's training-aware default, half the free memory."""
+        if not self.args.use_transformers_continuous_batching:
+            return None
+        from transformers.generation import ContinuousBatchingConfig
+
+        kwargs = self.args.transformers_continuous_batching_config or {}
+        return ContinuousBatchingConfig(**{"max_memory_percent": 0.5, **kwargs})
 
     def _synced_vllm_engine(self) -> VLLMEngine | None:
         """The vLLM engine holding this trainer's current weights, synced once per optimiser step on every process
@@ -242,15 +265,29 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         if not self.model.training:
             return self.rollout(inputs)
         steps = self.args.steps_per_generation
-        if self._step % (steps * self.args.num_iterations) == 0 or self._buffer is None:
-            prefetched = getattr(inputs, "samples", None)  # sampled ahead (asynchronous rollouts)
-            self._rollout = self.finish(self._fresh(inputs)) if prefetched is not None else self.rollout(inputs)
-            self._buffer = self._rollout.shuffled(self._shuffle_unit).split(steps)
+        if self._opens_round(inputs):
+            self._start_round(inputs)
         elif self._step % steps == 0 and self.reshuffle_each_iteration:
             self._buffer = self._rollout.shuffled(self._shuffle_unit).split(steps)  # a new order for this pass
         micro_batch = self._buffer[self._step % steps]
         self._step += 1
         return micro_batch
+
+    def _opens_round(self, rows) -> bool:
+        """Whether the batch `rows` opens a generation round: the producer's answer on the batches it delivers
+        (asynchronous rollouts), else the schedule read at this micro-step (`RoundSchedule.opens_round`)."""
+        if isinstance(rows, ScheduledRows):
+            return rows.opens_round
+        return self.schedule.opens_round(self._step, self._buffer is not None)
+
+    def _start_round(self, rows) -> None:
+        """Retire the round trained so far (its environment instances go back to the pool), then finish the new one,
+        sampled ahead by the producer or now, and split it into this round's micro-batches."""
+        self._release_environments(self._trained_environments)
+        samples = self._fresh(rows) if isinstance(rows, ScheduledRows) else self.sample(rows)
+        self._rollout = self.finish(samples)
+        self._trained_environments = samples.environments
+        self._buffer = self._rollout.shuffled(self._shuffle_unit).split(self.args.steps_per_generation)
 
     # ------------------------------------------------------------------ asynchronous rollouts (async_rollouts.py)
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -258,9 +295,31 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         if self.args.async_rollouts:
             if self._producer is None or self._producer.source is not epoch_iterator:
                 self._close_producer()
-                self._producer = AsyncRollouts(self, epoch_iterator)
+                self._producer = self._start_producer(epoch_iterator)
             epoch_iterator = self._producer
         return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def _start_producer(self, epoch_iterator) -> AsyncRollouts:
+        """This epoch's producer, given what it needs (online/async_rollouts.py, the thread contract)."""
+        a, processes = self.args, self.accelerator.num_processes
+        per_round = a.generation_batch_size // processes
+        limits = ProducerLimits(
+            max_staleness=a.max_staleness,
+            queued_rounds=max(1, a.queue_maxsize // max(per_round, 1)),
+            heartbeat_stale_after_s=a.heartbeat_stale_after_s,
+            stop_timeout_s=30.0,
+            weight_sync_timeout=a.weight_sync_timeout,
+        )
+        start = EpochStart(step=self.state.global_step, micro_step=self._step, has_round=self._buffer is not None)
+        return AsyncRollouts(
+            epoch_iterator,
+            self.sample,
+            self.vllm_engine,
+            self.schedule,
+            start,
+            limits,
+            prepare_round=self.sync_for_round,
+        )
 
     def sync_for_round(self, step: int) -> None:
         """Before training waits for its round at optimiser `step`: sync the weights when `weight_sync_steps` old or
@@ -271,28 +330,38 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
             seconds = self.vllm_engine.sync_in_background(model, self.accelerator, self, step)
             self.log_metric("perf/weight_sync_s", seconds)  # what training spent on it
 
-    def _fresh(self, rows) -> Samples:
+    def _fresh(self, rows: ScheduledRows) -> Samples:
         """The round sampled ahead for `rows`, with TRL's async metrics; too stale (the safety net behind the gate):
         dropped, counted and sampled again on the current weights."""
         samples, staleness = rows.samples, self.state.global_step - rows.samples.policy_version
         self.log_metric("sample/staleness_mean", staleness)
         self.log_metric("sample/staleness_max", staleness, reduce="max")
-        for name, value in (("perf/rollout_wait_s", rows.wait_s), ("rollout/generate_s", rows.sample_s),
-                            ("rollout/backpressure_s", rows.backpressure_s),
-                            ("sample/time_in_queue_s", time.monotonic() - rows.enqueued_at),
-                            ("sample/rollout_queue_size", self._producer.queued_rounds * len(rows))):  # fmt: skip
+        timings = {
+            "perf/rollout_wait_s": rows.wait_s,
+            "rollout/generate_s": rows.sample_s,
+            "rollout/backpressure_s": rows.backpressure_s,
+            "sample/time_in_queue_s": time.monotonic() - rows.enqueued_at,
+            "sample/rollout_queue_size": self._producer.queued_rounds * len(rows),
+        }
+        for name, value in timings.items():
             self.log_metric(name, value)
         dropped = staleness > self.args.max_staleness
         self.log_metric("sample/dropped_stale_total", float(dropped) * len(rows), reduce="sum")
         if dropped:
+            self._release_environments(samples.environments)
             self.sync_for_round(self.state.global_step)
             with self.vllm_engine.lock:
                 samples = self.sample(rows)
         return samples
 
     def _close_producer(self) -> None:
+        """Stop this epoch's producer; the rounds it sampled that training did not reach give their environment
+        instances back."""
         if self._producer is not None:
             self._producer.close()
+            for item in self._producer.drain():
+                if isinstance(item, ScheduledRows) and item.samples is not None:
+                    self._release_environments(item.samples.environments)
             self._producer = None
 
     def train(self, *args, **kwargs):
@@ -327,8 +396,12 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
 
     # ------------------------------------------------------------------ the rollout
     def rollout(self, rows: list[dict[str, Any]]) -> RolloutBatch:
-        """One generation round for this process's rows, synchronously: `finish(sample(rows))`."""
-        return self.finish(self.sample(rows))
+        """One generation round for this process's rows, synchronously: `finish(sample(rows))`, its environment
+        instances back in the pool once scored (an evaluation round; a training round: `_start_round`)."""
+        samples = self.sample(rows)
+        batch = self.finish(samples)
+        self._release_environments(samples.environments)
+        return batch
 
     def sample(self, rows: list[dict[str, Any]]) -> Samples:
         """Stage one: the rows' prompts (after each environment's `reset`) and their completions. No collective
@@ -336,13 +409,21 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         prompts, images, environments = self._rollout_prompts(rows)
         sampled = self._generate(prompts, images, environments=environments)
         rows = [{**row, **{k: row_value(v, i) for k, v in sampled.extra_fields.items()}} for i, row in enumerate(rows)]
+        policy_version = self.state.global_step  # the weights generation used: the trainer's, or the engine's copy
+        if self.vllm_engine is not None:
+            policy_version = self.vllm_engine.version
         return Samples(
-            rows, prompts, images, sampled.generation, sampled.completions,
-            policy_version=self.state.global_step if self.vllm_engine is None else self.vllm_engine.version,
+            rows=rows,
+            prompts=prompts,
+            images=images,
+            generation=sampled.generation,
+            completions=sampled.completions,
+            policy_version=policy_version,
             logprobs_are_policy=sampled.logprobs_are_policy,
-            tool_calls=sampled.tool_calls, tool_failures=sampled.tool_failures,
+            tool_calls=sampled.tool_calls,
+            tool_failures=sampled.tool_failures,
             environments=environments,
-        )  # fmt: skip
+        )
 
     def finish(self, samples: Samples) -> RolloutBatch:
         """Stage two, under the current weights: the typed batch with its old / reference log-probs, the sampling
@@ -354,10 +435,10 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         n = len(batch)  # this process's rows: their place in the global generation batch
         batch.row_index = torch.arange(n, device=batch.loss_mask.device) + self.accelerator.process_index * n
         self._log_generation_metrics(mode, samples)
+        self.truncate_rollout(batch)
         self.rollout_logps(batch, mode)
         self.correct_sampling(batch)
         self.score_rollout(batch, samples, mode)
-        self._release_environments(samples.environments)  # scored: the instances may serve another round
         return batch
 
     def score_rollout(self, batch: RolloutBatch, samples: Samples, mode: str) -> None:
@@ -372,9 +453,15 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         deferred = self.plan.defers_advantages(mode)  # then the loss computes them
         advantages = None if deferred else self.assign_advantages(rewards, rewards_per_func, batch, mode)
         self.completion_log.add_round(
-            samples.prompts, samples.completions, samples.images, rewards, rewards_per_func, self.rewards.names,
-            advantages, self.args.log_multimodal,
-        )  # fmt: skip
+            prompts=samples.prompts,
+            completions=samples.completions,
+            images=samples.images,
+            rewards=rewards,
+            rewards_per_func=rewards_per_func,
+            reward_names=self.rewards.names,
+            advantages=advantages,
+            log_images=self.args.log_multimodal,
+        )
 
     def _rollout_prompts(self, rows):
         """This process's prompts (after each environment's `reset` observation), images, and environment instances
@@ -401,9 +488,10 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         """Old (as the plan says, where sampling did not return them) and reference per-token log-probs, no grad,
         in micro-batches."""
         input_ids, attention_mask, extra = batch.model_inputs()
-        width, a = batch.completion_ids.size(1), self.args
-        # Image inputs are per row: one forward over the batch keeps rows and images aligned.
-        chunk = None if extra else a.per_device_train_batch_size if mode == "train" else a.per_device_eval_batch_size
+        width = batch.completion_ids.size(1)
+        chunk = None  # image inputs are per row: one forward over the batch keeps rows and images aligned
+        if not extra:
+            chunk = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
         with torch.no_grad():
             if self.plan.needs_old_logps(mode) and batch.old_logps is None:  # not read from sampling logits
                 batch.old_logps = self.token_logprobs(
