@@ -315,9 +315,9 @@ def test_shared_logprobs_with_detached_rows_equal_two_passes(qwen2_model, from_h
 @pytest.mark.parametrize("from_hidden_states", [True, False])
 @pytest.mark.parametrize("shared_prefix", [True, False])
 def test_prompt_scores_equal_full_log_softmax_in_values_and_gradients(qwen2_model, from_hidden_states, shared_prefix):
-    """`score_prompt`: the prompt tokens after the first (ORPO's NLL), from the shared prompt pass (rows 0 and 1 share a
-    prompt; row 2's is left-padded) or from the rows' own pass, equal the full log-softmax of every position, and so
-    does the gradient of a loss over prompt and completion tokens."""
+    """`score_prompt`: the prompt tokens after the first (ORPO's NLL), from the shared prompt pass (rows 0 and 1
+    share a prompt; row 2's is left-padded) or from the rows' own pass, equal the full log-softmax of every position,
+    and so does the gradient of a loss over prompt and completion tokens."""
     ids = torch.tensor([[3, 4, 5, 6, 7, 8], [3, 4, 5, 9, 10, 11], [0, 12, 13, 14, 15, 16]])
     mask = torch.tensor([[1] * 6, [1] * 6, [0, 1, 1, 1, 1, 1]])
     keep, prompt = 3, 3  # 3 completion tokens after a 3-token prompt

@@ -120,7 +120,7 @@ def test_pairs_are_ranked_by_reward_and_the_loss_is_dpos(tokenizer, tmp_path):
             parameter.add_(0.05 * torch.randn_like(parameter))
     trainer.model.train()
     batch = trainer.rollout([{"prompt": p} for p in ["a b", "a b", "c d", "c d"]])
-    batch.advantages = torch.tensor([0.2, 0.7, 0.5, 0.5])  # pair 1: the second wins; pair 2: a tie, the first
+    batch.scores = torch.tensor([0.2, 0.7, 0.5, 0.5])  # pair 1: the second wins; pair 2: a tie, the first
     with torch.no_grad():
         loss = trainer.compute_policy_loss(trainer.model, batch)
         per_token = trainer.policy_logprobs(trainer.model, batch).logps

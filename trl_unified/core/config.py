@@ -39,9 +39,10 @@ class TruncationConfig:
     the config's base, checked once by `check_truncation_mode`."""
 
     truncation_mode: str = option(
-        "keep_start", "Which end of a row longer than max_length is kept: 'keep_start' drops its end, 'keep_end' its "
-        "beginning (the prompt's start)."
-    )  # fmt: skip
+        "keep_start",
+        "Which end of a row longer than max_length is kept: 'keep_start' drops its end, 'keep_end' its beginning (the "
+        "prompt's start).",
+    )
 
     def check_truncation_mode(self) -> None:
         if self.truncation_mode not in ("keep_start", "keep_end"):
@@ -161,12 +162,28 @@ class PolicyConfig(TrainingArguments):
     )
 
     def __post_init__(self):
+        self._default_precision_and_device()
+        self._parse_command_line_fields()
+        self._check_padding_free()
+        super().__post_init__()
+        self._check_unimplemented_fields()
+        self._check_generation_fields()
+        self._check_answer_extractor()
+        self.pad_to_multiple_of = self._parse_pad_to_multiple_of(self.pad_to_multiple_of)
+        self._check_reference_fields()
+
+    def _default_precision_and_device(self) -> None:
+        """`bf16` left unset: TRL's default where the machine can run it; several processes without any accelerator:
+        `use_cpu`."""
         if self.bf16 is None:
             self.bf16 = not self.fp16 and (self.use_cpu or _has_accelerator(bf16=True))
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
             # Launched on several processes without any accelerator: without use_cpu, accelerate would run each
             # process as an independent single-process job. Use gloo across CPU processes instead.
             self.use_cpu = True
+
+    def _parse_command_line_fields(self) -> None:
+        """JSON strings → dicts; `shared_prefix` / `padding_free` strings → None, True or False (the command line)."""
         for name in ("model_init_kwargs", "generation_kwargs", "chat_template_kwargs"):
             if isinstance(getattr(self, name), str):  # JSON from the command line
                 setattr(self, name, json.loads(getattr(self, name)))
@@ -177,12 +194,16 @@ class PolicyConfig(TrainingArguments):
                 setattr(self, name, value)
             if value not in (None, True, False):
                 raise ValueError(f"{name}={value!r} must be None (auto), True or False.")
+
+    def _check_padding_free(self) -> None:
         if self.padding_free and self.shared_prefix is True:
             raise ValueError(
                 "padding_free=True packs the rows of the log-prob passes, where shared_prefix=True demands prompt "
                 "sharing: choose one (shared_prefix=None keeps prompt sharing in generation)."
             )
-        super().__post_init__()
+
+    def _check_unimplemented_fields(self) -> None:
+        """Raise on a field of `_unimplemented_fields` set away from its default."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name, advice in self._unimplemented_fields.items():
             value = getattr(self, name)
@@ -191,6 +212,8 @@ class PolicyConfig(TrainingArguments):
                     f"{name}={value!r} is accepted for compatibility with TRL but not implemented in trl_unified. "
                     f"Leave it at its default ({defaults[name]!r}). {advice}"
                 )
+
+    def _check_generation_fields(self) -> None:
         if self.temperature <= 0:
             raise ValueError(
                 f"temperature={self.temperature}, but it must be > 0. Use eval_do_sample=False for greedy."
@@ -201,32 +224,44 @@ class PolicyConfig(TrainingArguments):
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k).")
         if self.max_completion_length is not None and self.max_completion_length < 1:
             raise ValueError(f"max_completion_length={self.max_completion_length} must be >= 1.")
+
+    def _check_answer_extractor(self) -> None:
+        """`answer_extractor` is a known name, or a `regex:` pattern that compiles and has a capture group."""
         if self.answer_extractor not in ANSWER_EXTRACTORS and not self.answer_extractor.startswith("regex:"):
             raise ValueError(
                 f"answer_extractor={self.answer_extractor!r} is not one of {sorted(ANSWER_EXTRACTORS)} "
                 "nor 'regex:<pattern>'."
             )
-        if self.answer_extractor.startswith("regex:"):
-            try:
-                groups = re.compile(self.answer_extractor[len("regex:") :]).groups
-            except re.error as e:
-                raise ValueError(
-                    f"answer_extractor={self.answer_extractor!r}: the pattern does not compile ({e}). Fix the regular "
-                    "expression, e.g. 'regex:Answer: (\\S+)'."
-                ) from e
-            if groups < 1:
-                raise ValueError(
-                    f"answer_extractor={self.answer_extractor!r} has no capture group; the answer is read from the "
-                    "first one. Wrap the answer part in parentheses, e.g. 'regex:Answer: (\\S+)'."
-                )
-        value = self.pad_to_multiple_of  # 'auto': 128 on Neuron (it compiles once per shape), else None
-        if isinstance(value, str) and value.lower() in ("auto", "none", "null"):
-            self.pad_to_multiple_of = 128 if value.lower() == "auto" and self.device.type == "neuron" else None
-        elif isinstance(value, str):  # from the command line
-            try:
-                self.pad_to_multiple_of = int(value)
-            except ValueError as e:
-                raise ValueError(f"pad_to_multiple_of={value!r} must be an integer, 'auto' or None.") from e
+        if not self.answer_extractor.startswith("regex:"):
+            return
+        try:
+            groups = re.compile(self.answer_extractor[len("regex:") :]).groups
+        except re.error as e:
+            raise ValueError(
+                f"answer_extractor={self.answer_extractor!r}: the pattern does not compile ({e}). Fix the regular "
+                "expression, e.g. 'regex:Answer: (\\S+)'."
+            ) from e
+        if groups < 1:
+            raise ValueError(
+                f"answer_extractor={self.answer_extractor!r} has no capture group; the answer is read from the "
+                "first one. Wrap the answer part in parentheses, e.g. 'regex:Answer: (\\S+)'."
+            )
+
+    def _parse_pad_to_multiple_of(self, value):
+        """'auto' → 128 on Neuron (it compiles once per shape), else None; strings from the command line → int."""
+        if not isinstance(value, str):
+            return value
+        lowered = value.lower()
+        if lowered == "auto" and self.device.type == "neuron":
+            return 128
+        if lowered in ("auto", "none", "null"):
+            return None
+        try:
+            return int(value)
+        except ValueError as e:
+            raise ValueError(f"pad_to_multiple_of={value!r} must be an integer, 'auto' or None.") from e
+
+    def _check_reference_fields(self) -> None:
         if self.sync_ref_model and not self.uses_reference_model():
             raise ValueError(
                 f"You passed `sync_ref_model=True` while {self._no_reference_reason()}: this configuration uses no "

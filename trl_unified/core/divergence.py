@@ -62,7 +62,8 @@ def reduce_divergence(jsd, completion_mask=None, reduction="batchmean", num_item
     if num_items_in_batch is not None:
         return jsd.sum() / num_items_in_batch
     if reduction == "batchmean":
-        return jsd.sum() / (mask.sum().clamp_min(1) if mask is not None else max(jsd.size(0), 1))
+        denominator = mask.sum().clamp_min(1) if mask is not None else max(jsd.size(0), 1)
+        return jsd.sum() / denominator
     if reduction == "sum":
         return jsd.sum()
     if reduction == "mean":
@@ -71,9 +72,14 @@ def reduce_divergence(jsd, completion_mask=None, reduction="batchmean", num_item
 
 
 def generalized_jsd_loss(
-    student_logits, teacher_logits, labels=None, beta=0.5, temperature=1.0, reduction="batchmean",
+    student_logits,
+    teacher_logits,
+    labels=None,
+    beta=0.5,
+    temperature=1.0,
+    reduction="batchmean",
     num_items_in_batch=None,
-):  # fmt: skip
+):
     """TRL's `generalized_jsd_loss` on `(B, T, V)` logits: the elementwise D terms reduced by `reduce_divergence`
     over the positions whose `labels` are not -100 (all positions without labels)."""
     student_log_probs = F.log_softmax(student_logits / temperature, dim=-1)
@@ -120,18 +126,35 @@ def token_divergence(
     chunk_size = chunk_size or max(1, _CHUNK_ELEMENTS // max(1, vocabulary))
     if linear is not None:
         (weight, scale), (teacher_weight, teacher_scale) = linear
-        arguments = (flat_student, weight, flat_teacher, teacher_weight, scale / temperature,
-                     teacher_scale / temperature, beta, chunk_size)  # fmt: skip
+        arguments = (
+            flat_student,
+            weight,
+            flat_teacher,
+            teacher_weight,
+            scale / temperature,
+            teacher_scale / temperature,
+            beta,
+            chunk_size,
+        )
         if torch.is_grad_enabled():
             divergence, entropy = LinearDivergence.apply(*arguments)
         else:  # evaluation: no gradient to compute
             divergence, entropy = LinearDivergence._run(*arguments[:4], arguments[4:], False, False)[:2]
         return divergence.view(batch, width), entropy.view(batch, width)
-    grad, parts = torch.is_grad_enabled() and flat_student.requires_grad, []
+    grad = torch.is_grad_enabled() and flat_student.requires_grad
+    parts = []
     for start in range(0, flat_student.size(0), chunk_size):
         rows = slice(start, start + chunk_size)
-        arguments = (flat_student[rows], flat_teacher[rows], student_head, teacher_head, beta, temperature,
-                     tuple(student_transform), tuple(teacher_transform))  # fmt: skip
+        arguments = (
+            flat_student[rows],
+            flat_teacher[rows],
+            student_head,
+            teacher_head,
+            beta,
+            temperature,
+            tuple(student_transform),
+            tuple(teacher_transform),
+        )
         parts.append(checkpoint(_chunk, *arguments, use_reentrant=False) if grad else _chunk(*arguments))
     return tuple(torch.cat(values).view(batch, width) for values in zip(*parts))
 

@@ -179,8 +179,16 @@ def token_scores(
     if checkpointed and linear is not None:
         stats_out: dict[str, list[torch.Tensor]] = {}
         weight, scale = linear
-        logp, entropy = LinearTokenScores.apply(flat_hidden, weight, flat_targets, scale / temperature, chunk_size,
-                                                compute_entropy, logits_stats, stats_out)  # fmt: skip
+        logp, entropy = LinearTokenScores.apply(
+            flat_hidden,
+            weight,
+            flat_targets,
+            scale / temperature,
+            chunk_size,
+            compute_entropy,
+            logits_stats,
+            stats_out,
+        )
         entropy = entropy if entropy_requires_grad else entropy.detach()
         stats = {name: torch.cat(values).view(batch, width) for name, values in stats_out.items()}
         return logp.view(batch, width), entropy.view(batch, width) if compute_entropy else None, stats
@@ -188,7 +196,10 @@ def token_scores(
     for start in range(0, flat_hidden.size(0), chunk_size):
         sink = {}  # no-grad per-chunk values, filled by the chunk's first run (a checkpoint's recompute skips them)
         arguments = (flat_hidden[start : start + chunk_size], flat_targets[start : start + chunk_size], sink, *options)
-        logp, entropy = checkpoint(_chunk, *arguments, use_reentrant=False) if checkpointed else _chunk(*arguments)
+        if checkpointed:
+            logp, entropy = checkpoint(_chunk, *arguments, use_reentrant=False)
+        else:
+            logp, entropy = _chunk(*arguments)
         logps.append(logp)
         entropies.append(entropy if entropy is not None else sink.get("entropy"))
         sinks.append(sink)
@@ -260,9 +271,11 @@ class LinearTokenScores(torch.autograd.Function):
         with torch.autocast(*ctx.autocast):  # the forward's (device, dtype, enabled)
             for start in range(0, hidden.size(0), ctx.chunk_size):
                 rows = slice(start, start + ctx.chunk_size)
-                g, g_entropy = (None if grad is None else grad[rows] for grad in (grad_logp, grad_entropy))
-                dz = LinearTokenScores._dz(hidden[rows], weight, targets[rows], lse[rows], entropy[rows], ctx.factor,
-                                           g, g_entropy)  # fmt: skip
+                g = None if grad_logp is None else grad_logp[rows]
+                g_entropy = None if grad_entropy is None else grad_entropy[rows]
+                dz = LinearTokenScores._dz(
+                    hidden[rows], weight, targets[rows], lse[rows], entropy[rows], ctx.factor, g, g_entropy
+                )
                 if grad_hidden is not None:
                     grad_hidden[rows] = (dz @ weight).to(hidden.dtype)
                 if grad_weight is not None:

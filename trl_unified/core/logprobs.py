@@ -71,6 +71,20 @@ class TokenLogprobs:
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     prompt_logps: torch.Tensor | None = None
 
+    @classmethod
+    def concat(cls, chunks: list["TokenLogprobs"]) -> "TokenLogprobs":
+        """The rows of several chunks of rows in one (the MoE auxiliary loss: their mean)."""
+        aux_losses = [chunk.aux_loss for chunk in chunks if chunk.aux_loss is not None]
+        entropies = [chunk.entropy for chunk in chunks]
+        prompt_logps = [chunk.prompt_logps for chunk in chunks]
+        return cls(
+            logps=torch.cat([chunk.logps for chunk in chunks]),
+            entropy=None if any(e is None for e in entropies) else torch.cat(entropies),
+            aux_loss=torch.stack(aux_losses).mean() if aux_losses else None,
+            stats={name: torch.cat([chunk.stats[name] for chunk in chunks]) for name in chunks[0].stats},
+            prompt_logps=None if any(p is None for p in prompt_logps) else torch.cat(prompt_logps),
+        )
+
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "TokenLogprobs":
         """The same fields with `fn` applied to every per-completion-token tensor (e.g. a change of layout);
         `prompt_logps` is left as it is."""
@@ -104,39 +118,32 @@ def compute_token_logprobs(
 ) -> TokenLogprobs:
     """Log-probs of the last `logits_to_keep` tokens of `input_ids` under `model`, logits divided by `temperature`.
 
-    By default (`from_hidden_states`) the model projects one position to the vocabulary and the log-probs come from its
-    final hidden states through the LM head in chunks of positions, recomputed in the backward (`core/lm_head.py`): no
-    `(B, C, V)` tensor in the forward or the backward. Otherwise (or where that path cannot reproduce the model's
-    logits) from the model's `logits_to_keep + 1` last logits, log-softmax chunked (`selective_log_softmax`).
+    By default (`from_hidden_states`) from the final hidden states through the LM head in chunks of positions,
+    recomputed in the backward (`core/lm_head.py`, no `(B, C, V)` tensor); else from the model's last logits.
 
     Args:
         model (`PreTrainedModel`): a causal LM (or PEFT/VLM wrapper) whose forward accepts `logits_to_keep`.
         input_ids, attention_mask (`torch.LongTensor`): `(B, P + C)` prompt then completion tokens, and their mask.
         logits_to_keep (`int`): `C`, the number of completion positions to score.
         temperature (`float`, defaults to `1.0`): the sampling temperature.
-        compute_entropy (`bool`, defaults to `False`): also return entropies; under grad iff `entropy_requires_grad`.
+        compute_entropy (`bool`, defaults to `False`): also entropies; under grad iff `entropy_requires_grad`.
         batch_size (`int`, *optional*): rows per forward pass (a memory cap for no-grad passes); all at once if None.
-        output_router_logits (`bool`, defaults to `False`): return the MoE load-balancing loss.
+        output_router_logits (`bool`, defaults to `False`): the MoE load-balancing loss too (`aux_loss`).
         shared_prefix (`bool`, defaults to `False`): encode each distinct prompt of a chunk once for the rows that
             repeat it (`generation/sharing.py`); the caller decides whether the model may (`may_share_prefix`).
         position_ids (`torch.LongTensor`, *optional*): `(B, P + C)` positions; the model's default otherwise.
-        logits_stats (`Callable`, *optional*): called without grad on scaled logits `(b, n, V)` and their targets
-            `(b, n)`; returns `(b, n)` per-token tensors by name, gathered into `TokenLogprobs.stats`.
+        logits_stats (`Callable`, *optional*): `(logits (b, n, V), targets (b, n)) -> {name: (b, n)}`, no grad.
         from_hidden_states (`bool`, defaults to `True`): the chunked head path above; False: the model's logits.
         padding_free (`bool`, *optional*, defaults to `False`): pack each batch of rows into one row where allowed
-            (`core/packing.py`; else padded, reported once); exclusive with `shared_prefix` and `position_ids`.
-            None (auto): only then and where at least `PACKING_MIN_PADDING` of the rows' slots are padding.
-        score_padding (`bool`, defaults to `False`): also score padding positions (mask 0) on the head path (TRL's
-            PPO entropy average); otherwise only real tokens go through the head and padding reads 0: mask it.
-        score_prompt (`bool`, defaults to `False`): also the log-probs `(B, P - 1)` of the prompt tokens after the
-            first (`TokenLogprobs.prompt_logps`, 0 where the token or the position predicting it is padding; no
-            entropy or stats there): with `shared_prefix`, from the prompt pass, once per distinct prompt (ORPO's NLL
-            reads the prompt). Rows are then not packed (`padding_free`).
+            (`core/packing.py`, docs/padding_free.md); exclusive with `shared_prefix` and `position_ids`. None: auto.
+        score_padding (`bool`, defaults to `False`): score padding too (TRL's PPO entropy); else it reads 0.
+        score_prompt (`bool`, defaults to `False`): also `TokenLogprobs.prompt_logps` `(B, P - 1)`, the prompt's
+            tokens after the first (0 where predicted from padding), from the shared prompt pass where prompts are
+            shared (ORPO's NLL); rows are then not packed.
         **forward_kwargs: other model inputs with a leading batch dimension (e.g. `token_type_ids`), or, for
             vision-language models, the full image tensors (then `batch_size` must cover the whole batch).
 
-    Returns:
-        `TokenLogprobs` with `logps` `(B, C)` float32, e.g. `(out.logps * completion_mask).sum(1)` per sequence.
+    Returns `TokenLogprobs`, `logps` `(B, C)` float32: e.g. `(out.logps * completion_mask).sum(1)` per sequence.
     """
     batch_size = batch_size or input_ids.size(0)
     auto = padding_free is None
@@ -145,31 +152,30 @@ def compute_token_logprobs(
     forward_kwargs = dict(forward_kwargs, output_router_logits=True) if output_router_logits else forward_kwargs
     input_ids = mask_padding(input_ids, attention_mask, embedding_rows(model))  # a pad beyond the table: read as 0
     head = HiddenStateHead.of(model) if from_hidden_states else None
-    scoring = dict(temperature=temperature, compute_entropy=compute_entropy,
-                   entropy_requires_grad=entropy_requires_grad, logits_stats=logits_stats)  # fmt: skip
-    parts, aux_losses, prompt_parts = [], [], []
+    scoring = dict(
+        temperature=temperature,
+        compute_entropy=compute_entropy,
+        entropy_requires_grad=entropy_requires_grad,
+        logits_stats=logits_stats,
+    )
+    chunks = []
     for start in range(0, input_ids.size(0), batch_size):
         rows = slice(start, start + batch_size)
         kwargs = _row_inputs(forward_kwargs, rows, input_ids.size(0))
         positions = None if position_ids is None else position_ids[rows]
         inputs = (input_ids[rows], attention_mask[rows], logits_to_keep, shared_prefix, positions, kwargs)
         packed = _packed(model, inputs) if padding_free else None
+        prompt_scores = None
         if packed is not None:
             scores, outputs, head = _score_packed(model, head, packed, kwargs, scoring)
         else:
-            scores, outputs, head, prompt_scores = _score_rows(model, head, inputs, scoring, score_padding,
-                                                               score_prompt)  # fmt: skip
-            prompt_parts.append(prompt_scores)
-        parts.append(scores)
-        if output_router_logits and getattr(outputs, "aux_loss", None) is not None:
-            aux_losses.append(outputs.aux_loss)
-    return TokenLogprobs(
-        logps=torch.cat([logps for logps, _, _ in parts]),
-        entropy=torch.cat([entropy for _, entropy, _ in parts]) if compute_entropy else None,
-        aux_loss=torch.stack(aux_losses).mean() if aux_losses else None,
-        stats={name: torch.cat([stats[name] for _, _, stats in parts]) for name in parts[0][2]},
-        prompt_logps=torch.cat(prompt_parts) if score_prompt else None,
-    )
+            scores, outputs, head, prompt_scores = _score_rows(
+                model, head, inputs, scoring, score_padding, score_prompt
+            )
+        logps, entropy, stats = scores
+        aux_loss = getattr(outputs, "aux_loss", None) if output_router_logits else None
+        chunks.append(TokenLogprobs(logps, entropy, aux_loss, stats, prompt_scores))
+    return TokenLogprobs.concat(chunks)
 
 
 def _row_inputs(kwargs: dict, rows: slice, num_rows: int) -> dict:
@@ -189,8 +195,9 @@ def _score_rows(model, head: HiddenStateHead | None, inputs, scoring: dict, scor
         prefix = {}  # the prompt pass's hidden states and groups, when the prompt is shared and scored
         on_prefix = (lambda groups: prefix.update(hidden=head.hidden, groups=groups)) if score_prompt else None
         with head.capture():
-            outputs = _forward(model, input_ids, attention_mask, logits_to_keep, 1, shared_prefix, positions, kwargs,
-                               on_prefix)  # fmt: skip
+            outputs = _forward(
+                model, input_ids, attention_mask, logits_to_keep, 1, shared_prefix, positions, kwargs, on_prefix
+            )
         if head.matches(outputs.logits):
             hidden = head.hidden[:, -(logits_to_keep + 1) : -1]  # position t predicts token t + 1
             real, place = None if score_padding else attention_mask[:, -logits_to_keep:].bool(), None
@@ -233,8 +240,14 @@ def _prompt_scores(head: HiddenStateHead, input_ids, attention_mask, logits_to_k
     scoring = dict(scoring, compute_entropy=False, logits_stats=None)  # log-probs only
     values = torch.zeros(real.shape, device=input_ids.device)
     if bool(real.any()):
-        logps, _, _ = token_scores(hidden[real][None], targets[real][None], head.logits, linear=head.linear(),
-                                   vocabulary=head.head.weight.size(0), **scoring)  # fmt: skip
+        logps, _, _ = token_scores(
+            hidden[real][None],
+            targets[real][None],
+            head.logits,
+            linear=head.linear(),
+            vocabulary=head.head.weight.size(0),
+            **scoring,
+        )
         values = values.masked_scatter(real, logps[0])
     return values if inverse is None else values[inverse]
 

@@ -78,8 +78,12 @@ class PackedRows:
         if _takes_var_keywords(type(_bare(model))):  # transformers models pass **kwargs on to their attention
             install_segmented_sdpa()
             longest = int((self.boundaries[1:] - self.boundaries[:-1]).max())
-            inputs.update(cu_seq_lens_q=self.boundaries, cu_seq_lens_k=self.boundaries,
-                          max_length_q=longest, max_length_k=longest)  # fmt: skip
+            inputs.update(
+                cu_seq_lens_q=self.boundaries,
+                cu_seq_lens_k=self.boundaries,
+                max_length_q=longest,
+                max_length_k=longest,
+            )
         return inputs
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
@@ -166,8 +170,9 @@ def check_packing(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) 
     module = model.module if hasattr(model, "module") else model  # a no-grad probe, outside DDP's bookkeeping
     with torch.no_grad():
         together = module(**packed.forward_kwargs(model), logits_to_keep=packed.source[second]).logits
-        apart = module(input_ids=alone.input_ids, position_ids=alone.position_ids, use_cache=False,
-                       logits_to_keep=alone.source).logits  # fmt: skip
+        apart = module(
+            input_ids=alone.input_ids, position_ids=alone.position_ids, use_cache=False, logits_to_keep=alone.source
+        ).logits
     tolerance = 1e-3 if together.dtype == torch.float32 else 5e-2
     _VERIFIED[bare] = together.shape == apart.shape and torch.allclose(
         together.float(), apart.float(), atol=tolerance, rtol=tolerance

@@ -56,38 +56,25 @@ class ReferenceModel:
                 )
             return cls("none")
         if is_peft_model(policy) and ref_model is None:  # a given ref_model is the reference, PEFT or not (TRL)
-            if adapter_is_pretrained and getattr(policy.peft_config[policy.active_adapter], "target_parameters", None):
+            if adapter_is_pretrained and _adapter_targets_parameters(policy):
                 # PEFT hosts one adapter per model when LoRA targets parameters (peft#3340): no "ref" adapter can
                 # be added, so the starting policy is kept as a frozen copy (TRL falls back to the base model).
                 return cls("copy", model=copy.deepcopy(policy).requires_grad_(False).eval())
-            if adapter_is_pretrained:  # adapter "ref": a frozen copy of the active adapter, weights as they arrived
-                active = policy.active_adapter
-                policy.add_adapter(REF_ADAPTER, policy.peft_config[active])
-                params = dict(policy.named_parameters())
-                for name, param in params.items():
-                    if f".{active}." in name:
-                        params[name.replace(f".{active}.", f".{REF_ADAPTER}.")].data.copy_(param.data)
-                policy.set_adapter(active)
-                _freeze_adapter(policy, REF_ADAPTER)
+            if adapter_is_pretrained:
+                _add_frozen_ref_adapter(policy)
                 return cls("ref_adapter", policy=policy)
             return cls("adapter_disabled", policy=policy)
         if policy_is_reference and ref_model is None:
             return cls("policy", policy=policy)
-        if ref_model is None and any(hasattr(p, "ds_id") for p in policy.parameters()):
-            ref_model = policy.config._name_or_path  # a ZeRO-3 partitioned policy cannot be deep-copied: reload it
         if isinstance(ref_model, str):
             ref = load_model(ref_model, args, quantization_config, what="reference model")
+        elif ref_model is not None:
+            ref = ref_model
+        elif _is_zero3_partitioned(policy):  # a ZeRO-3 partitioned policy cannot be deep-copied: reload it
+            ref = load_model(policy.config._name_or_path, args, quantization_config, what="reference model")
         else:  # a deep copy works for models built in memory and never saved (reloading by name would fail there)
-            ref = ref_model if ref_model is not None else copy.deepcopy(policy)
-        # Reference log-probs are read at the policy's token ids: both models must share the vocabulary.
-        weights = [m.get_input_embeddings().weight for m in (policy, ref) if m.get_input_embeddings() is not None]
-        sizes = [getattr(w, "ds_shape", w.shape)[0] for w in weights]  # ZeRO-3 keeps the full shape in ds_shape
-        if len(sizes) == 2 and sizes[0] != sizes[1]:
-            raise ValueError(
-                f"The reference model's vocabulary ({sizes[1]} tokens) differs from the policy's ({sizes[0]}): its "
-                "log-probs would be read at the wrong token ids. Use a reference with the policy's tokenizer (usually "
-                "the same checkpoint), or omit ref_model to get a frozen copy of the policy."
-            )
+            ref = copy.deepcopy(policy)
+        _check_same_vocabulary(policy, ref)
         if args.disable_dropout:
             disable_dropout(ref)
         return cls("copy", model=ref.requires_grad_(False).eval())
@@ -108,9 +95,12 @@ class ReferenceModel:
             raise RuntimeError(
                 "This trainer has no reference model (beta == 0). Check trainer.reference_model.available."
             )
+        if self.kind == "copy":
+            yield self.model
+            return
         callable_model = policy_wrapped if policy_wrapped is not None else self.policy
-        if self.kind in ("copy", "policy"):
-            yield self.model if self.kind == "copy" else callable_model
+        if self.kind == "policy":
+            yield callable_model
             return
         peft_model = accelerator.unwrap_model(policy_wrapped) if accelerator is not None else self.policy
         if self.kind == "adapter_disabled":
@@ -143,6 +133,40 @@ def _freeze_adapter(model, name: str) -> None:
     for param_name, param in model.named_parameters():
         if f".{name}." in param_name:
             param.requires_grad_(False)
+
+
+def _adapter_targets_parameters(model) -> bool:
+    """Whether the active adapter targets parameters (`target_parameters`, e.g. MoE experts) rather than modules."""
+    return bool(getattr(model.peft_config[model.active_adapter], "target_parameters", None))
+
+
+def _add_frozen_ref_adapter(model) -> None:
+    """Add adapter "ref" as a frozen copy of the active adapter (its weights as they arrived)."""
+    active = model.active_adapter
+    model.add_adapter(REF_ADAPTER, model.peft_config[active])
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        if f".{active}." in name:
+            params[name.replace(f".{active}.", f".{REF_ADAPTER}.")].data.copy_(param.data)
+    model.set_adapter(active)
+    _freeze_adapter(model, REF_ADAPTER)
+
+
+def _is_zero3_partitioned(model) -> bool:
+    """Whether DeepSpeed ZeRO-3 has partitioned the model's parameters (they carry a `ds_id`)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _check_same_vocabulary(policy, ref) -> None:
+    """Reference log-probs are read at the policy's token ids: both models must share the vocabulary."""
+    weights = [m.get_input_embeddings().weight for m in (policy, ref) if m.get_input_embeddings() is not None]
+    sizes = [getattr(w, "ds_shape", w.shape)[0] for w in weights]  # ZeRO-3 keeps the full shape in ds_shape
+    if len(sizes) == 2 and sizes[0] != sizes[1]:
+        raise ValueError(
+            f"The reference model's vocabulary ({sizes[1]} tokens) differs from the policy's ({sizes[0]}): its "
+            "log-probs would be read at the wrong token ids. Use a reference with the policy's tokenizer (usually "
+            "the same checkpoint), or omit ref_model to get a frozen copy of the policy."
+        )
 
 
 def _prepare_deepspeed(model, accelerator):

@@ -22,22 +22,7 @@ def install_distributed_shutdown() -> None:
     """Arm the exit handler for this process (trainers call it; a no-op without an initialised process group)."""
     if _state["active"] or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return
-    # Remember the status of `sys.exit` / `exit` / `quit` and of uncaught exceptions, for `os._exit`.
-    previous_hook, previous_exit = sys.excepthook, sys.exit
-
-    def excepthook(*args):
-        _state["exit_code"] = 1
-        previous_hook(*args)
-
-    def exit_(status=None):
-        _state["exit_code"] = _exit_code_of(status)
-        previous_exit(status)
-
-    sys.excepthook, sys.exit = excepthook, exit_
-    for name in ("exit", "quit"):
-        quitter = getattr(builtins, name, None)
-        if quitter is not None:
-            setattr(builtins, name, _TrackedQuitter(quitter))
+    _track_exit_status()
     _state["active"] = True
 
 
@@ -92,8 +77,33 @@ def _gloo_threads_alive() -> bool:
     return False
 
 
+def _track_exit_status() -> None:
+    """Remember the status of `sys.exit` / `exit` / `quit` and of uncaught exceptions, for `os._exit`."""
+    previous_hook = sys.excepthook
+    previous_exit = sys.exit
+
+    def excepthook(*args):
+        _state["exit_code"] = 1
+        previous_hook(*args)
+
+    def exit_(status=None):
+        _state["exit_code"] = _exit_code_of(status)
+        previous_exit(status)
+
+    sys.excepthook = excepthook
+    sys.exit = exit_
+    for name in ("exit", "quit"):
+        quitter = getattr(builtins, name, None)
+        if quitter is not None:
+            setattr(builtins, name, _TrackedQuitter(quitter))
+
+
 def _exit_code_of(status) -> int:
-    return 0 if status is None else status if isinstance(status, int) else 1  # a message: Python prints it, exits 1
+    if status is None:
+        return 0
+    if isinstance(status, int):
+        return status
+    return 1  # a message: Python prints it and exits with 1
 
 
 class _TrackedQuitter:

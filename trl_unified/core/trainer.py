@@ -91,12 +91,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         set_seed(args.seed)  # a PEFT adapter's initialisation must be reproducible
         model = self._load_policy(model, args, quantization_config)
         processing_class = load_processing_class(processing_class, model, args)
-        tokenizer, base = get_tokenizer(processing_class), base_model(model)
-        # A pad added without resizing (TRL's PPO recipe) is masked in every forward and kept out of the configs.
-        if tokenizer.pad_token_id is None or in_table(tokenizer.pad_token_id, embedding_rows(base)):
-            base.config.get_text_config().pad_token_id = tokenizer.pad_token_id
-            if getattr(base, "generation_config", None) is not None:
-                base.generation_config.pad_token_id = tokenizer.pad_token_id
+        self._sync_pad_token(model, processing_class)
         model, adapter_is_pretrained = apply_peft(model, peft_config, args)
         check_liger_kernel(model, args)
         if is_peft_model(model) and args.gradient_checkpointing:  # frozen embeddings must pass gradients on
@@ -145,6 +140,18 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         install_distributed_shutdown()  # see core/shutdown.py: no SIGABRT at exit
         if hasattr(self.model, "add_model_tags"):
             self.model.add_model_tags(self._tag_names)
+
+    @staticmethod
+    def _sync_pad_token(model, processing_class) -> None:
+        """The tokenizer's pad id into the model's config and generation config (as TRL), unless it lies beyond the
+        embedding table: a pad added without resizing (TRL's PPO recipe) is masked in every forward and kept out of
+        the configs, so that the saved model loads."""
+        tokenizer, base = get_tokenizer(processing_class), base_model(model)
+        if tokenizer.pad_token_id is not None and not in_table(tokenizer.pad_token_id, embedding_rows(base)):
+            return
+        base.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+        if getattr(base, "generation_config", None) is not None:
+            base.generation_config.pad_token_id = tokenizer.pad_token_id
 
     def _prepare_eval_datasets(self, eval_dataset):
         if isinstance(eval_dataset, dict):

@@ -36,7 +36,10 @@ ANSWER_EXTRACTORS = {"tags": _extract_tags, "boxed": _extract_boxed, "auto": _ex
 
 def normalize_answer(answer: str | None) -> str | None:
     """Lower-case, collapse whitespace and strip surrounding whitespace and a trailing period; `None` stays `None`."""
-    return None if answer is None else " ".join(str(answer).split()).lower().rstrip(".").strip() or None
+    if answer is None:
+        return None
+    normalized = " ".join(str(answer).split()).lower().rstrip(".").strip()
+    return normalized or None
 
 
 def extract_answer(text: str, extractor: str | Callable[[str], str | None] = "tags") -> str | None:

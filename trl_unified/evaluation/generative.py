@@ -35,13 +35,7 @@ class GenerativeEvalMixin:
         if not self.args.generative_eval or dataset is None:
             return {}
         if names is not None and not self._has_reference_answers(names):
-            if self.accelerator.is_main_process and not getattr(self, "_warned_no_answers", False):  # once per run
-                self._warned_no_answers = True
-                logger.warning(
-                    f"Generative evaluation is on, but the eval dataset has no {self.args.eval_answer_field!r} column "
-                    f"(eval_answer_field; its columns: {names}), so no eval_accuracy is logged. Name the "
-                    "reference-answer column with eval_answer_field, or set generative_eval=False to silence this."
-                )
+            self._warn_no_answer_column(names)
             return {}
         local = []
         for index, row in self._local_eval_rows(dataset):
@@ -86,6 +80,17 @@ class GenerativeEvalMixin:
             batch_size=self.args.per_device_eval_batch_size,
         ).texts
 
+    def _warn_no_answer_column(self, names: list[str]) -> None:
+        """Say, once per run and from the main process, why no accuracy is logged: no reference-answer column."""
+        if not self.accelerator.is_main_process or getattr(self, "_warned_no_answers", False):
+            return
+        self._warned_no_answers = True
+        logger.warning(
+            f"Generative evaluation is on, but the eval dataset has no {self.args.eval_answer_field!r} column "
+            f"(eval_answer_field; its columns: {names}), so no eval_accuracy is logged. Name the reference-answer "
+            "column with eval_answer_field, or set generative_eval=False to silence this."
+        )
+
     def _has_reference_answers(self, names: list[str]) -> bool:
         return self.args.eval_answer_field in names
 
@@ -97,7 +102,12 @@ class GenerativeEvalMixin:
             f.writelines(json.dumps(record, ensure_ascii=False, default=str) + "\n" for record in records)
         self.last_eval_records_path = path
         logger.warning(f"Generative evaluation: {len(records)} records written to {path}")
-        report_to, sample = self.args.report_to or [], records[:32]  # a sample table for W&B and TensorBoard
+        self._log_records_table(records, prefix)
+
+    def _log_records_table(self, records: list[dict], prefix: str) -> None:
+        """A sample table for W&B and TensorBoard when they are enabled (`report_to`)."""
+        report_to = self.args.report_to or []
+        sample = records[:32]
         if "wandb" in report_to:
             import wandb
 

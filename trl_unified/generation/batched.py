@@ -1,9 +1,7 @@
 """`generate_batched`: encode the prompts, run the engine the model and options allow (continuous batching for all at
 once; per padded chunk the lean loop, else `model.generate`, maybe on a shared-prefix cache), build the output."""
 
-import copy
 from collections.abc import Sequence
-from dataclasses import fields
 
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase, ProcessorMixin
@@ -13,7 +11,14 @@ from ..models.token_ids import embedding_rows, padding_fill_id
 from . import lean, transformers_generate
 from .continuous_batching import generate_with_continuous_batching
 from .fallbacks import report_fallback
-from .options import GenerationOptions, eos_ids, get_eos_token_ids, with_pad_in_table
+from .options import (
+    GenerationOptions,
+    eos_ids,
+    get_eos_token_ids,
+    resolve_options,
+    with_decoder_start_token,
+    with_pad_in_table,
+)
 from .output import GenerationOutput, build_output, cut_after_eos
 from .packed_weights import MIN_NEW_TOKENS, packed_linear_weights
 from .prompts import collate_chunk, encode_for_generation, padding_token_id
@@ -64,16 +69,22 @@ def generate_batched(
         `generate_batched(model, tokenizer, ["2+2=", "The capital of France is"], batch_size=2).texts`.
     """
     keywords = GenerationOptions(
-        batch_size=batch_size, strip_prompt=strip_prompt, accelerator=accelerator,
-        gather_deepspeed3_params=gather_deepspeed3_params, images=images, videos=videos,
-        pad_to_multiple_of=pad_to_multiple_of, chat_template_kwargs=chat_template_kwargs, eos_token_ids=eos_token_ids,
-        shared_prefix=shared_prefix, continuous_batching=continuous_batching, lean_decoding=lean_decoding,
-        return_logprobs=return_logprobs, vllm=vllm,
-    )  # fmt: skip
-    given = [f.name for f in fields(keywords) if getattr(keywords, f.name) is not f.default]
-    if options is not None and given:  # options= where given, the keywords then left at their defaults
-        raise TypeError(f"generate_batched got options= and the keywords {given}; set them on the options instead.")
-    options = keywords if options is None else options
+        batch_size=batch_size,
+        strip_prompt=strip_prompt,
+        accelerator=accelerator,
+        gather_deepspeed3_params=gather_deepspeed3_params,
+        images=images,
+        videos=videos,
+        pad_to_multiple_of=pad_to_multiple_of,
+        chat_template_kwargs=chat_template_kwargs,
+        eos_token_ids=eos_token_ids,
+        shared_prefix=shared_prefix,
+        continuous_batching=continuous_batching,
+        lean_decoding=lean_decoding,
+        return_logprobs=return_logprobs,
+        vllm=vllm,
+    )
+    options = resolve_options(options, keywords)
     bare = options.accelerator.unwrap_model(model) if options.accelerator is not None else model
     encoded = encode_for_generation(processing_class, prompts, options, bare, generation_config)
     tokenizer = get_tokenizer(processing_class)
@@ -91,9 +102,7 @@ def _generate_with_model(model, encoded, generation_config, options: GenerationO
     prompts at once with continuous batching, else padded chunks (the lean loop or `model.generate`)."""
     with unwrap_for_generation(model, options.accelerator, options.gather_deepspeed3_params, generation_config) as m:
         is_encoder_decoder = getattr(m.config, "is_encoder_decoder", False)
-        if is_encoder_decoder and generation_config is not None and generation_config.decoder_start_token_id is None:
-            generation_config = copy.deepcopy(generation_config)  # with the start token an encoder-decoder needs
-            generation_config.decoder_start_token_id = m.config.decoder_start_token_id
+        generation_config = with_decoder_start_token(generation_config, m)
         if options.continuous_batching is not None:
             return generate_with_continuous_batching(m, encoded, generation_config, options), [], is_encoder_decoder
         chunks = _generate_in_chunks(m, encoded, generation_config, options, padding_token_id(tokenizer), device)

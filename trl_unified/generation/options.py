@@ -3,7 +3,7 @@ decode), EOS ids and a trainer's `GenerationConfig`."""
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from transformers import GenerationConfig
@@ -80,6 +80,16 @@ class GenerationOptions:
         return self.images is not None or self.videos is not None
 
 
+def resolve_options(options: GenerationOptions | None, keywords: GenerationOptions) -> GenerationOptions:
+    """`options` where given (the keywords must then be left at their defaults), else the keywords."""
+    if options is None:
+        return keywords
+    given = [f.name for f in fields(keywords) if getattr(keywords, f.name) is not f.default]
+    if given:
+        raise TypeError(f"generate_batched got options= and the keywords {given}; set them on the options instead.")
+    return options
+
+
 def get_eos_token_ids(model, processing_class) -> list[int]:
     """The tokenizer's EOS first, then any other EOS of the model's generation config (e.g. `<|im_end|>`)."""
     tokenizer = get_tokenizer(processing_class)
@@ -125,7 +135,20 @@ def build_generation_config(
 def eos_ids(generation_config: GenerationConfig | None) -> list[int]:
     """The EOS ids of a generation config, as a list (empty when unset or without a config)."""
     eos = getattr(generation_config, "eos_token_id", None)
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if eos is None:
+        return []
+    if isinstance(eos, int):
+        return [eos]
+    return list(eos)
+
+
+def with_decoder_start_token(generation_config: GenerationConfig | None, model) -> GenerationConfig | None:
+    """`generation_config`, copied with the model's `decoder_start_token_id` where an encoder-decoder needs it."""
+    is_encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
+    if is_encoder_decoder and generation_config is not None and generation_config.decoder_start_token_id is None:
+        generation_config = copy.deepcopy(generation_config)
+        generation_config.decoder_start_token_id = model.config.decoder_start_token_id
+    return generation_config
 
 
 def with_pad_in_table(model, generation_config: GenerationConfig | None) -> GenerationConfig | None:

@@ -127,7 +127,14 @@ def build_output(
     columns dropped; `logprobs` (None rows where `model.generate` decoded) kept where every row has them."""
     if not encoded:  # nothing to generate here (e.g. this process's share of a small eval set)
         empty = torch.zeros(0, 0, dtype=torch.long, device=device)
-        return GenerationOutput(empty, empty, empty, empty, [], torch.zeros(0, dtype=torch.bool, device=device))
+        return GenerationOutput(
+            prompt_ids=empty,
+            prompt_mask=empty,
+            completion_ids=empty,
+            completion_mask=empty,
+            texts=[],
+            is_truncated=torch.zeros(0, dtype=torch.bool, device=device),
+        )
     pad_token_id, multiple = padding_token_id(tokenizer), options.pad_to_multiple_of
     prompt_tensors = [torch.as_tensor(e["input_ids"]).view(-1) for e in encoded]
     prompt_ids = pad(prompt_tensors, pad_token_id, "left", multiple).to(device)
@@ -140,7 +147,15 @@ def build_output(
     if not (options.strip_prompt or is_encoder_decoder):
         kept = [p.tolist() + c for p, c in zip(prompt_tensors, kept)]
     texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
-    out = GenerationOutput(prompt_ids, prompt_mask, completion_ids, completion_mask, texts, is_truncated, None, {})
+    out = GenerationOutput(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        texts=texts,
+        is_truncated=is_truncated,
+        prompt_token_inputs={},
+    )
     if options.return_logprobs and logprobs and all(row is not None for row in logprobs):
         out.logprobs = pad(logprobs, 0.0, "right").to(device)[:, :width] * completion_mask
     for key, value in encoded[0].items():  # per-token processor outputs (e.g. mm_token_type_ids): padded like the ids

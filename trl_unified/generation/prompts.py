@@ -24,24 +24,14 @@ def encode_for_generation(
     encoded = encode_prompts(
         processing_class, prompts, options.images, options.chat_template_kwargs or {}, options.videos
     )
-    lengths = [torch.as_tensor(e["input_ids"]).numel() for e in encoded]
-    empty = [i for i, n in enumerate(lengths) if n == 0]
+    empty = [i for i, e in enumerate(encoded) if torch.as_tensor(e["input_ids"]).numel() == 0]
     if empty:
         raise ValueError(
             f"prompts{empty[:5]} encode to no tokens (empty prompt {prompts[empty[0]]!r}); a decoder-only model needs "
             "at least one prompt token to generate from. Remove empty prompts or give the tokenizer a BOS token."
         )
-    limit, new_tokens = max_positions(model), getattr(generation_config, "max_new_tokens", None)
-    length = max(lengths, default=0)
-    if lengths and limit is not None and new_tokens is not None and length + new_tokens > limit:
-        raise ValueError(
-            f"Prompt {lengths.index(length)} has {length} tokens; with max_new_tokens={new_tokens} that is "
-            f"{length + new_tokens} positions, beyond the model's maximum of {limit} "
-            "(config.max_position_embeddings). Shorten the prompt or generate fewer tokens."
-        )
-    rows = embedding_rows(model)  # a token id beyond the table (added to the tokenizer without resizing) raises
-    for i, e in enumerate(encoded):
-        check_ids_in_table(torch.as_tensor(e["input_ids"]).view(-1), None, rows, f"Prompt {i}", tokenizer=tokenizer)
+    check_fits_positions(model, encoded, generation_config)
+    check_prompt_ids(model, encoded, tokenizer)
     return encoded
 
 
@@ -193,3 +183,27 @@ def collate_chunk(encoded: list[dict[str, Any]], pad_token_id: int, pad_to_multi
 def is_sequence_aligned(value, input_ids) -> bool:
     """Whether a processor output is per prompt token (`(1, len(input_ids))`, e.g. `token_type_ids`)."""
     return isinstance(value, torch.Tensor) and value.shape == (1, torch.as_tensor(input_ids).numel())
+
+
+def check_fits_positions(model, encoded, generation_config) -> None:
+    """Raise when the longest prompt plus `max_new_tokens` exceeds the model's positions (`max_positions`)."""
+    limit = max_positions(model)
+    new_tokens = getattr(generation_config, "max_new_tokens", None)
+    if limit is None or new_tokens is None or not encoded:
+        return
+    lengths = [torch.as_tensor(e["input_ids"]).numel() for e in encoded]
+    length = max(lengths)
+    if length + new_tokens > limit:
+        raise ValueError(
+            f"Prompt {lengths.index(length)} has {length} tokens; with max_new_tokens={new_tokens} that is "
+            f"{length + new_tokens} positions, beyond the model's maximum of {limit} "
+            "(config.max_position_embeddings). Shorten the prompt or generate fewer tokens."
+        )
+
+
+def check_prompt_ids(model, encoded, tokenizer=None) -> None:
+    """Raise when a prompt holds a token id beyond the model's embedding table (e.g. a token added to the tokenizer
+    without `resize_token_embeddings`), naming the prompt, the id and the table size."""
+    rows = embedding_rows(model)
+    for i, e in enumerate(encoded):
+        check_ids_in_table(torch.as_tensor(e["input_ids"]).view(-1), None, rows, f"Prompt {i}", tokenizer=tokenizer)

@@ -31,6 +31,26 @@ def fsdp1_class():
 
 
 @contextlib.contextmanager
+def _gathered_parameters(model, accelerator, gather_deepspeed3_params: bool):
+    """Gather ZeRO-3 shards once (or FSDP full params) for the whole generation call."""
+    FSDP = fsdp1_class()
+    if _deepspeed_zero3(accelerator) and gather_deepspeed3_params:
+        with zero3_gathered(model.parameters()):
+            yield
+    elif FSDP is not None and isinstance(model, FSDP):
+        with FSDP.summon_full_params(model, writeback=False, recurse=False):
+            yield
+    elif hasattr(model, "unshard") and hasattr(model, "reshard"):  # FSDP2 module
+        model.unshard()
+        try:
+            yield
+        finally:
+            model.reshard()
+    else:
+        yield
+
+
+@contextlib.contextmanager
 def unwrap_for_generation(
     model, accelerator=None, gather_deepspeed3_params: bool = True, generation_config: GenerationConfig | None = None
 ):
@@ -54,15 +74,8 @@ def unwrap_for_generation(
         base.generation_config = generation_config
     unwrapped.eval()
     try:
-        sharded, FSDP = model if accelerator is not None else unwrapped, fsdp1_class()
-        with contextlib.ExitStack() as stack:  # parameters gathered once for the whole call, not per forward
-            if _deepspeed_zero3(accelerator) and gather_deepspeed3_params:
-                stack.enter_context(zero3_gathered(sharded.parameters()))
-            elif FSDP is not None and isinstance(sharded, FSDP):
-                stack.enter_context(FSDP.summon_full_params(sharded, writeback=False, recurse=False))
-            elif hasattr(sharded, "unshard") and hasattr(sharded, "reshard"):  # FSDP2 module
-                sharded.unshard()
-                stack.callback(sharded.reshard)
+        sharded = model if accelerator is not None else unwrapped  # the wrapper that holds the shards, if any
+        with _gathered_parameters(sharded, accelerator, gather_deepspeed3_params):
             yield unwrapped
     finally:
         if generation_config is not None:

@@ -48,6 +48,15 @@ def _dataset_names(trainer) -> list[str]:
     return [name] if name and name not in ("generator", "json", "csv", "parquet", "arrow", "text") else []
 
 
+def _as_tag_list(tags) -> list:
+    """`tags` as given to `write_model_card`: a list, one tag, or None."""
+    if isinstance(tags, list):
+        return tags
+    if tags:
+        return [tags]
+    return []
+
+
 def _versions() -> str:
     names = {"trl_unified": "trl_unified", "TRL": "trl", "Transformers": "transformers", "PyTorch": "torch",
              "Datasets": "datasets", "Accelerate": "accelerate"}  # fmt: skip
@@ -63,7 +72,7 @@ def write_model_card(
     base_model = model_id_of(trainer.model)
     base_is_hub_id = not os.path.isdir(base_model) and "/" in base_model
     datasets_ = [dataset_name] if dataset_name else _dataset_names(trainer)
-    all_tags = sorted({*trainer._tag_names, *(tags if isinstance(tags, list) else [tags] if tags else [])})
+    all_tags = sorted({*trainer._tag_names, *_as_tag_list(tags)})
     paper = trainer._paper or {"title": "", "id": "", "citation": ""}
     model_name = model_name or os.path.basename(os.path.normpath(trainer.args.output_dir))
     card_data = ModelCardData(

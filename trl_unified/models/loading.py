@@ -65,12 +65,13 @@ def from_pretrained_checked(auto_class, model_id: str, what: str, **kwargs):
     try:
         return auto_class.from_pretrained(model_id, **kwargs)
     except (OSError, ValueError) as e:
-        hint = (
-            "The directory exists but does not hold a complete saved model (config and weights)."
-            if os.path.isdir(model_id)
-            else "It is not a local directory, and the Hugging Face Hub could not resolve it (unknown id, no network, "
-            "or HF_HUB_OFFLINE=1). Pass a local path to a saved model, or a model object."
-        )
+        if os.path.isdir(model_id):
+            hint = "The directory exists but does not hold a complete saved model (config and weights)."
+        else:
+            hint = (
+                "It is not a local directory, and the Hugging Face Hub could not resolve it (unknown id, no network, "
+                "or HF_HUB_OFFLINE=1). Pass a local path to a saved model, or a model object."
+            )
         raise ValueError(f"Could not load the {what} {model_id!r}: {e.__class__.__name__}: {e}. {hint}") from e
 
 
@@ -79,14 +80,7 @@ def load_model(model_id: str, args, quantization_config=None, what: str = "polic
     defaults to float32, not the checkpoint's; `device_map` is dropped under distributed training (accelerate places
     the model)."""
     kwargs = dict(args.model_init_kwargs or {})
-    dtype = kwargs["dtype"] = kwargs.get("dtype", "float32")
-    if not (dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype)):
-        if dtype not in ("bfloat16", "float16", "float32"):
-            raise ValueError(
-                "Invalid `dtype` passed to the config. Expected either 'auto' or a string representing a valid "
-                f"`torch.dtype` (e.g., 'float32'), but got {dtype}."
-            )
-        kwargs["dtype"] = getattr(torch, dtype)
+    kwargs["dtype"] = parse_dtype(kwargs.get("dtype", "float32"))
     if quantization_config is not None:
         if "quantization_config" in kwargs:
             raise ValueError(
@@ -98,6 +92,18 @@ def load_model(model_id: str, args, quantization_config=None, what: str = "polic
         kwargs["device_map"] = None
     kwargs.setdefault("trust_remote_code", args.trust_remote_code)
     return load_model_plain(model_id, what, **kwargs)
+
+
+def parse_dtype(dtype):
+    """A `dtype` for `from_pretrained`: a `torch.dtype`, "auto", None, or the name of a floating dtype."""
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in ("bfloat16", "float16", "float32"):
+        return getattr(torch, dtype)
+    raise ValueError(
+        "Invalid `dtype` passed to the config. Expected either 'auto' or a string representing a valid "
+        f"`torch.dtype` (e.g., 'float32'), but got {dtype}."
+    )
 
 
 def load_processing_class(processing_class, model, args):
@@ -233,6 +239,14 @@ def load_model_plain(model_id: str, what: str = "model", **kwargs):
     """Load a model by id/path with the auto class its config calls for (no training arguments involved)."""
     config_kwargs = {k: v for k, v in kwargs.items() if k in ("trust_remote_code", "revision")}  # the config's too
     config = from_pretrained_checked(AutoConfig, model_id, what, **config_kwargs)
-    seq2seq, vision = getattr(config, "is_encoder_decoder", False), getattr(config, "vision_config", None) is not None
-    auto_class = AutoModelForSeq2SeqLM if seq2seq else AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    return from_pretrained_checked(auto_class, model_id, what, **kwargs)
+    return from_pretrained_checked(_auto_class_for(config), model_id, what, **kwargs)
+
+
+def _auto_class_for(config):
+    """The auto class a config calls for: Seq2SeqLM for an encoder-decoder, ImageTextToText with a `vision_config`,
+    else CausalLM."""
+    if getattr(config, "is_encoder_decoder", False):
+        return AutoModelForSeq2SeqLM
+    if getattr(config, "vision_config", None) is not None:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM

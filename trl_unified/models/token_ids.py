@@ -66,13 +66,22 @@ def check_ids_in_table(
     )
 
 
-def check_table_covers_tokenizer(model, tokenizer, what: str) -> None:
-    """Raise unless `model`'s embedding table holds every id `tokenizer` produces (a pad token that is not also EOS
-    excepted: padding is masked before every forward). A larger table is fine (models often carry padding rows)."""
+def tokenizer_id_bound(tokenizer) -> int:
+    """1 + the largest id `tokenizer` produces, its pad token left out when it is not also EOS (padding is masked
+    before every forward, so it needs no embedding row)."""
     ids = set(tokenizer.get_vocab().values())
     if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
         ids.discard(tokenizer.pad_token_id)
-    rows, bound = embedding_rows(model), max(ids) + 1 if ids else 0
+    if not ids:
+        return 0
+    return max(ids) + 1
+
+
+def check_table_covers_tokenizer(model, tokenizer, what: str) -> None:
+    """Raise unless `model`'s embedding table holds every id `tokenizer` produces (pad excepted, see
+    `tokenizer_id_bound`). A larger table is fine (models often carry padding rows)."""
+    rows = embedding_rows(model)
+    bound = tokenizer_id_bound(tokenizer)
     if rows is not None and rows < bound:
         token = tokenizer.convert_ids_to_tokens(bound - 1)
         raise ValueError(

@@ -49,21 +49,26 @@ class CompletionLog:
         """Advantages of a round, `(N_global,)`, when they are known only in the loss (RLOO's deferred KL shaping)."""
         self.columns["advantages"].extend(advantages.tolist())
 
+    def rows(self, unique_prompts: bool = False, limit: int | None = None) -> list[tuple]:
+        """`(prompt, completion, reward, {column: value})` per logged completion."""
+        logs = self.columns
+        columns = dict(logs["extra"])
+        if logs["advantages"]:
+            columns["advantage"] = logs["advantages"]
+        rows = [
+            (prompt, completion, reward, {k: v[i] for k, v in columns.items() if i < len(v)})
+            for i, (prompt, completion, reward) in enumerate(zip(logs["prompt"], logs["completion"], self._rewards))
+        ]
+        if unique_prompts:
+            rows = list({str(row[0]): row for row in rows}.values())
+        return rows[: limit or len(rows)]
+
     def report(self, step: int, args) -> None:
         """Print the rounds added since the last report (once each), and log them to W&B when it is enabled."""
         if self._printed >= self._rounds:
             return
         self._printed = self._rounds
-        logs, shown = self.columns, dict(self.columns["extra"])  # `(prompt, completion, reward, {column: value})` rows
-        if logs["advantages"]:
-            shown["advantage"] = logs["advantages"]
-        rows = [
-            (prompt, completion, reward, {k: v[i] for k, v in shown.items() if i < len(v)})
-            for i, (prompt, completion, reward) in enumerate(zip(logs["prompt"], logs["completion"], self._rewards))
-        ]
-        if args.log_unique_prompts:
-            rows = list({str(row[0]): row for row in rows}.values())
-        rows = rows[: args.num_completions_to_print or len(rows)]
+        rows = self.rows(args.log_unique_prompts, args.num_completions_to_print)
         for prompt, completion, reward, extra in rows:
             values = "".join(f"\n  {k}: {v}" for k, v in extra.items())
             print(f"[step {step}] reward={reward:.3f}\n  prompt: {prompt}\n  completion: {completion}{values}")

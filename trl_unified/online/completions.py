@@ -65,12 +65,14 @@ class CompletionsMixin:
             completions = [[{"role": "assistant", "content": t}] for t in out.texts] if conversational else out.texts
             return SampledCompletions(out, completions, {}, logprobs_are_policy=policy)
         completions = self._parse_completions(prompts, prompt_ids, completion_ids, row_tools)
-        tool_mask, calls, failures = extra_fields.pop("env_mask", None) if not self.tools else None, 0, 0
         if self.tools:
             budget = max_new_tokens or self.args.max_completion_length
             completion_ids, tool_mask, completions, calls, failures = self._run_tool_loop(
                 prompt_ids, completion_ids, completions, row_tools, do_sample, budget
             )
+        else:
+            calls = failures = 0
+            tool_mask = extra_fields.pop("env_mask", None)  # a rollout_func's mask of the tokens it did not sample
         multiple, device = self.args.pad_to_multiple_of, self.accelerator.device
         out = GenerationOutput.from_token_lists(
             prompt_ids, completion_ids, self.processing_class, self.eos_token_ids, tool_mask, multiple, device

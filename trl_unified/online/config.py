@@ -82,17 +82,19 @@ class OnlineConfig(PolicyConfig):
     )
     max_tool_calling_iterations: int | None = option(None, "Most tool-calling rounds per completion (None: no limit).")
     vllm_weight_transfer: str = option(
-        "checkpoint", "Server mode: how weights reach the server: 'checkpoint' (a safetensors folder the server "
-        "reloads, any device) or 'nccl' (vLLM's NCCL weight-transfer engine, CUDA)."
-    )  # fmt: skip
+        "checkpoint",
+        "Server mode: how weights reach the server: 'checkpoint' (a safetensors folder the server "
+        "reloads, any device) or 'nccl' (vLLM's NCCL weight-transfer engine, CUDA).",
+    )
     request_timeout: int = option(600, "Server mode: seconds a generation request may take.")
     weight_sync_timeout: int = option(1800, "Server mode: seconds a weight sync may take.")
     max_inflight_tasks: int = option(-1, "Server mode: most completions requested at once (-1: a round per request).")
     # Asynchronous rollouts (docs/async.md): trl_unified's addition; AsyncGRPOConfig turns them on (TRL's defaults).
     async_rollouts: bool = option(
-        False, "trl_unified only. Sample ahead of training in a producer thread (vLLM server mode), on weights at "
-        "most max_staleness optimiser steps old; max_staleness=0 is synchronous training (docs/async.md)."
-    )  # fmt: skip
+        False,
+        "trl_unified only. Sample ahead of training in a producer thread (vLLM server mode), on weights at "
+        "most max_staleness optimiser steps old; max_staleness=0 is synchronous training (docs/async.md).",
+    )
     max_staleness: int = option(1, "Async: most optimiser steps between the weights that sampled and training.")
     weight_sync_steps: int = option(1, "Async: optimiser steps between weight syncs (sooner when staleness needs).")
     queue_maxsize: int = option(1024, "Async: most completions sampled and waiting to be trained on.")

@@ -271,3 +271,17 @@ class CriticMixin:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
         if self.value_head is not None:
             load_value_model(self.value_head, resume_from_checkpoint)
+
+
+def rlhf_objective_metrics(kl, non_score, scores, old_logps, mask) -> dict[str, torch.Tensor]:
+    """TRL's PPO rollout metrics, this process's means (`(B, C)` per-token tensors, `scores` `(B,)`): the KL and the
+    non-score reward summed per sequence, the sampled tokens' negative log-prob summed per sequence
+    (`objective/entropy`), the score, and the RLHF reward (non-score reward plus score)."""
+    non_score_per_sequence = non_score.sum(1).mean()
+    return {
+        "objective/kl": kl.sum(1).mean(),
+        "objective/entropy": (-old_logps * mask).sum(1).mean(),
+        "objective/non_score_reward": non_score_per_sequence,
+        "objective/rlhf_reward": non_score_per_sequence + scores.mean(),
+        "objective/scores": scores.mean(),
+    }

@@ -25,6 +25,7 @@ from .rollout import RolloutBatch, RolloutPlan
 
 
 IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
+_REDUCTION_BY_SUFFIX = {"min": torch.min, "mean": torch.mean, "max": torch.max}  # of the gathered `sampling/*` values
 
 
 @dataclass
@@ -77,7 +78,9 @@ class ImportanceSamplingMixin:
         return self.vllm_engine is not None and self.args.vllm_importance_sampling_correction
 
     def rollout_plan(self) -> RolloutPlan:
-        return RolloutPlan(True, True) if self.corrects_sampling else super().rollout_plan()
+        if self.corrects_sampling:
+            return RolloutPlan(old_logps_train=True, old_logps_eval=True)
+        return super().rollout_plan()
 
     def correct_sampling(self, batch: RolloutBatch) -> None:
         """The ratio w of the module docstring into `batch.importance_sampling_ratio`, and TRL's `sampling/*`
@@ -93,7 +96,7 @@ class ImportanceSamplingMixin:
         batch.importance_sampling_ratio = ratio
         for name, value in mismatch_metrics(batch.old_logps, batch.sampling_logps, mask, ratio, mode).items():
             values = gather(value.reshape(1))
-            reduce = torch.max if name.endswith("max") else torch.min if name.endswith("min") else torch.mean
+            reduce = _REDUCTION_BY_SUFFIX.get(name.rsplit("/", 1)[-1], torch.mean)
             self.log_metric(name, reduce(values[~torch.isnan(values)]).item() if values.numel() else 0.0)
         if a.async_rollouts:  # the correction split by how old the sampling weights were
             name = f"sampling/importance_sampling_ratio/staleness_{batch.staleness}"

@@ -65,8 +65,15 @@ class OnlineMetricsMixin:
         self.log_metric("clip_ratio/low_mean", self.masked_global_mean(low_clip, mask))
         self.log_metric("clip_ratio/high_mean", self.masked_global_mean(high_clip, mask))
         self.log_metric("clip_ratio/region_mean", self.masked_global_mean(((low_clip + high_clip) > 0).float(), mask))
+
+        def per_sequence(x):
+            """`(B,)`: a sequence ratio's value, or a token ratio's mean over the sequence's masked tokens."""
+            if ratio.size(1) == 1:
+                return x.squeeze(1)
+            return (x * mask).sum(-1) / mask.sum(-1)
+
         for name, values, reduce in (("low_min", low_clip, torch.min), ("high_max", high_clip, torch.max)):
-            gathered = gather(values.squeeze(1) if ratio.size(1) == 1 else (values * mask).sum(-1) / mask.sum(-1))
+            gathered = gather(per_sequence(values))
             gathered = gathered[~torch.isnan(gathered)]
             self.log_metric(f"clip_ratio/{name}", reduce(gathered).item() if gathered.numel() else float("nan"))
 

@@ -25,7 +25,11 @@ def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 
 def as_list(value) -> list:
     """A list or tuple as a list, None as `[]`, anything else as `[value]` (one reward function or class)."""
-    return list(value) if isinstance(value, (list, tuple)) else [] if value is None else [value]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if value is None:
+        return []
+    return [value]
 
 
 def _name_of(func) -> str:

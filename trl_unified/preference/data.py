@@ -260,9 +260,11 @@ class PairedBatch(_ReadsSequences, TensorBatch):
         rows = torch.cat([index + i * len(self) for i in range(len(self.completions))])  # a row's blocks stay together
         refs = {
             name: None if value is None else value[index]
-            for name, value in (("ref_chosen_logps", self.ref_chosen_logps),
-                                ("ref_rejected_logps", self.ref_rejected_logps))
-        }  # fmt: skip
+            for name, value in (
+                ("ref_chosen_logps", self.ref_chosen_logps),
+                ("ref_rejected_logps", self.ref_rejected_logps),
+            )
+        }
         return dataclasses.replace(self, sequences=self.sequences.select(rows), **refs)
 
 

@@ -297,9 +297,15 @@ class PreferenceTrainer(PolicyTrainerBase):
         else:  # each distinct prompt encoded once (the rows of one preference row share it)
             with self.accelerator.autocast():
                 out = compute_token_logprobs(
-                    model, layout.input_ids, layout.attention_mask, layout.targets.size(1), shared_prefix=True,
-                    position_ids=layout.position_ids, score_prompt=include_prompt, **options,
-                )  # fmt: skip
+                    model,
+                    layout.input_ids,
+                    layout.attention_mask,
+                    layout.targets.size(1),
+                    shared_prefix=True,
+                    position_ids=layout.position_ids,
+                    score_prompt=include_prompt,
+                    **options,
+                )
             out = out.map(lambda values: layout.scatter(values, width))
             logps = out.logps
             if include_prompt:
@@ -354,9 +360,14 @@ class PreferenceTrainer(PolicyTrainerBase):
             return None
         with self.accelerator.autocast():
             result = compute_shared_logprobs(
-                model, layout.input_ids, layout.attention_mask, layout.targets.size(1), len(detached),
-                position_ids=layout.position_ids, **options,
-            )  # fmt: skip
+                model,
+                layout.input_ids,
+                layout.attention_mask,
+                layout.targets.size(1),
+                len(detached),
+                position_ids=layout.position_ids,
+                **options,
+            )
         if result is None:
             return None
         out, detached_logps = result

@@ -63,9 +63,10 @@ class AsyncGRPOConfig(ImportanceSamplingConfig, OnlineConfig):
     async_rollouts: bool = option(True, "Sample ahead of training (always on for AsyncGRPOTrainer).")
     max_staleness: int = option(4, "Most optimiser steps between the weights that sampled and training.")
     vllm_importance_sampling_correction: bool = option(
-        False, "trl_unified only. Recompute π_old when a batch is consumed and correct the loss by π_old / "
-        "π_sampling (engine mismatch and staleness; TRL's async loss uses π_sampling as π_old)."
-    )  # fmt: skip
+        False,
+        "trl_unified only. Recompute π_old when a batch is consumed and correct the loss by π_old / π_sampling "
+        "(engine mismatch and staleness; TRL's async loss uses π_sampling as π_old).",
+    )
 
     def __post_init__(self):
         if not (self.use_vllm and self.async_rollouts):
@@ -112,10 +113,18 @@ class AsyncGRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
                 "vllm_weight_transfer says ('checkpoint' or 'nccl')."
             )
         super().__init__(
-            model, reward_funcs, args, train_dataset, processing_class=processing_class, callbacks=callbacks,
-            optimizers=optimizers, peft_config=peft_config, tools=tools, environment_factory=environment_factory,
+            model,
+            reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+            tools=tools,
+            environment_factory=environment_factory,
             **online_kwargs,
-        )  # fmt: skip
+        )
 
     epsilon_low = property(lambda self: self.args.epsilon)  # TRL's attributes
     model_version = property(lambda self: self.vllm_engine.version or 0)
@@ -131,8 +140,10 @@ class AsyncGRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
         return dataset  # every column reaches the reward functions, as in TRL's trainer
 
     def rollout_plan(self) -> RolloutPlan:
-        # TRL: π_old is the engine's sampling log-probs; with the correction: recomputed, in both modes
-        return super().rollout_plan() if self.corrects_sampling else RolloutPlan(False, False)
+        """TRL's: π_old is the engine's sampling log-probs; with the correction, recomputed in both modes."""
+        if self.corrects_sampling:
+            return super().rollout_plan()
+        return RolloutPlan(old_logps_train=False, old_logps_eval=False)
 
     def compute_advantages(self, rewards, rewards_per_func, batch: RolloutBatch, mode: str) -> torch.Tensor:
         grouped = rewards.view(-1, self.group_size(mode))  # (P, G)

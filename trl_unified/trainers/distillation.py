@@ -178,7 +178,7 @@ class DistillationTrainer(OnlineTrainer):
 
     # ------------------------------------------------------------------ the rollout: no reward, no ratio
     def rollout_plan(self) -> RolloutPlan:
-        return RolloutPlan(False, False)  # no ratio in the loss: π_old is never read
+        return RolloutPlan(old_logps_train=False, old_logps_eval=False)  # no ratio in the loss: π_old is never read
 
     def build_rewards(self) -> None:
         return None  # the teacher's distributions are the signal
@@ -187,7 +187,14 @@ class DistillationTrainer(OnlineTrainer):
         """No rewards and no advantages: the round is only logged."""
         batch.rewards = torch.zeros(len(batch), device=batch.prompt_ids.device)
         self.completion_log.add_round(
-            samples.prompts, samples.completions, samples.images, None, None, [], None, self.args.log_multimodal
+            prompts=samples.prompts,
+            completions=samples.completions,
+            images=samples.images,
+            rewards=None,
+            rewards_per_func=None,
+            reward_names=[],
+            advantages=None,
+            log_images=self.args.log_multimodal,
         )
 
     # ------------------------------------------------------------------ the loss

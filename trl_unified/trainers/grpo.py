@@ -269,24 +269,44 @@ class GRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
         self.log_zero_std_fraction(std)
         return torch.nan_to_num(advantages, nan=0.0)
 
+    def _loss_terms(self, logps: torch.Tensor, inputs: RolloutBatch) -> LossTerms:
+        """The ratio w = π_θ / π_old per token, or per sequence exp(mean_t log w_t) (GSPO), and the other terms every
+        loss type reads."""
+        a, mask = self.args, inputs.loss_mask
+        old_logps = inputs.old_logps if inputs.old_logps is not None else logps.detach()
+        log_ratio = logps - old_logps  # (B, C)
+        log_weight = log_ratio  # log w per token
+        if a.importance_sampling_level == "sequence":  # mean over the sequence's tokens, (B, 1)
+            log_weight = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        low, high = a.clip_range()
+        return LossTerms(
+            logps=logps,
+            old_logps=old_logps,
+            log_ratio=log_ratio,
+            ratio=torch.exp(log_weight),
+            advantages=inputs.advantages.unsqueeze(1),  # (B, 1)
+            mask=mask,
+            low=low,
+            high=high,
+            args=a,
+            inputs=inputs,
+        )
+
     def compute_policy_loss(self, model, inputs: RolloutBatch, num_items_in_batch=None):
         a, mode, mask, loss_type = self.args, self.mode, inputs.loss_mask, LOSSES[self.args.loss_type]
         out = self.policy_logprobs(model, inputs)
-        old = inputs.old_logps if inputs.old_logps is not None else out.logps.detach()
-        log_ratio = used = out.logps - old  # (B, C): the ratio w = π_θ / π_old per token,
-        if a.importance_sampling_level == "sequence":  # or per sequence exp(mean_t log w_t) (GSPO)
-            used = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (B, 1)
-        advantages = inputs.advantages.unsqueeze(1)  # (B, 1)
-        t = LossTerms(out.logps, old, log_ratio, torch.exp(used), advantages, mask, *a.clip_range(), a, inputs)
+        t = self._loss_terms(out.logps, inputs)
         per_token_loss, stat = loss_type.token_loss(t)
         if a.off_policy_mask_threshold is not None:  # with vLLM, against its sampling log-probs (TRL)
-            old = inputs.sampling_logps if inputs.sampling_logps is not None else t.old_logps
-            off_policy = self.get_off_policy_mask(t.advantages, out.logps, old, mask, a.off_policy_mask_threshold)
+            behaviour_logps = inputs.sampling_logps if inputs.sampling_logps is not None else t.old_logps
+            threshold = a.off_policy_mask_threshold
+            off_policy = self.get_off_policy_mask(t.advantages, out.logps, behaviour_logps, mask, threshold)
             per_token_loss = per_token_loss * off_policy
         entropy_mask = mask  # the tokens the entropy bonus averages over
         if a.top_entropy_quantile < 1.0:
             high = self.get_high_entropy_mask(out.entropy, mask, 1 - a.top_entropy_quantile)
-            per_token_loss, entropy_mask = per_token_loss * high, mask * high
+            per_token_loss = per_token_loss * high
+            entropy_mask = mask * high
         if inputs.importance_sampling_ratio is not None and not loss_type.folds_sampling_correction:
             per_token_loss = per_token_loss * inputs.importance_sampling_ratio  # vLLM's correction
         if a.beta != 0.0:

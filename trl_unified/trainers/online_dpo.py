@@ -65,34 +65,69 @@ class OnlineDPOConfig(OnlineConfig):
         return True
 
 
+@dataclass
+class OnlineDPOBatch(RolloutBatch):
+    """A `RolloutBatch` whose rows are ranked in pairs: `scores` `(B,)`, each completion's score (its reward, minus
+    the missing-EOS penalty), read by the loss; `advantages` stay None."""
+
+    scores: torch.Tensor | None = None
+
+
 class OnlineDPOTrainer(OnlineTrainer):
     """Online DPO (see the module docstring). TRL 1.16's constructor, plus the online core's arguments."""
 
     _name = "Online DPO"
     _tag_names = ["trl", "online-dpo", "trl_unified"]
     config_class = OnlineDPOConfig
+    batch_class = OnlineDPOBatch
     shuffles_groups = True  # the loss ranks each pair within its micro-batch
     logprob_temperature = 1.0
 
     def __init__(
-        self, model, ref_model=None, reward_funcs=None, args: OnlineDPOConfig | None = None, data_collator=None,
-        train_dataset=None, eval_dataset=None, processing_class=None, reward_processing_classes=None,
-        peft_config=None, compute_metrics=None, callbacks=None, optimizers=(None, None),
-        preprocess_logits_for_metrics=None, **online_kwargs,
-    ):  # fmt: skip
+        self,
+        model,
+        ref_model=None,
+        reward_funcs=None,
+        args: OnlineDPOConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        peft_config=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        preprocess_logits_for_metrics=None,
+        **online_kwargs,
+    ):
         """TRL 1.16's arguments, then by keyword the online core's (`quantization_config`, `tools`, ...)."""
         if ref_model is not None and ref_model is model:
             raise ValueError("`model` and `ref_model` cannot be the same object. Pass a copy, or None.")
-        for name, value in (("data_collator", data_collator), ("compute_metrics", compute_metrics),
-                            ("preprocess_logits_for_metrics", preprocess_logits_for_metrics)):  # fmt: skip
+        unsupported = {
+            "data_collator": data_collator,
+            "compute_metrics": compute_metrics,
+            "preprocess_logits_for_metrics": preprocess_logits_for_metrics,
+        }
+        for name, value in unsupported.items():
             if value is not None:
                 raise NotImplementedError(f"{name}: online DPO batches are rollouts, built by the online core.")
         if reward_funcs is None:
             raise ValueError("`reward_funcs` must be provided: functions or reward models that rank each pair.")
         super().__init__(
-            model, reward_funcs, args, train_dataset, eval_dataset, processing_class, reward_processing_classes,
-            callbacks, optimizers, peft_config=peft_config, ref_model=ref_model, **online_kwargs,
-        )  # fmt: skip
+            model,
+            reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+            ref_model=ref_model,
+            **online_kwargs,
+        )
 
     def setup(self) -> None:
         super().setup()
@@ -104,25 +139,27 @@ class OnlineDPOTrainer(OnlineTrainer):
         return beta[min(int(self.state.epoch or 0), len(beta) - 1)] if isinstance(beta, list) else beta
 
     def rollout_plan(self) -> RolloutPlan:
-        return RolloutPlan(False, False)  # no ratio: π_old is never read
+        return RolloutPlan(old_logps_train=False, old_logps_eval=False)  # no ratio: π_old is never read
 
-    def rollout_logps(self, batch: RolloutBatch, mode: str) -> None:
+    def truncate_rollout(self, batch: RolloutBatch) -> None:
+        """TRL's: the prompts lose their first tokens so that prompt + completion fit `max_length` (not image rows,
+        whose image tokens must stay)."""
         excess = batch.prompt_ids.size(1) + batch.completion_ids.size(1) - self.args.max_length
-        if excess > 0 and not batch.visual_inputs:  # TRL: the prompts lose their first tokens to fit max_length
-            batch.prompt_ids, batch.prompt_mask = batch.prompt_ids[:, excess:], batch.prompt_mask[:, excess:]
-        super().rollout_logps(batch, mode)
+        if excess > 0 and not batch.visual_inputs:
+            batch.prompt_ids = batch.prompt_ids[:, excess:]
+            batch.prompt_mask = batch.prompt_mask[:, excess:]
 
-    def assign_advantages(self, rewards, rewards_per_func, batch: RolloutBatch, mode: str):
-        """`batch.advantages` hold each completion's score: its reward (all-None: 0, as TRL's nansum), minus the
-        missing-EOS penalty; the loss ranks each pair by them."""
+    def assign_advantages(self, rewards, rewards_per_func, batch: "OnlineDPOBatch", mode: str) -> None:
+        """No advantages: `batch.scores` hold each completion's score, its reward (all-None: 0, as TRL's nansum)
+        minus the missing-EOS penalty; the loss ranks each pair by them."""
         penalty = self.args.missing_eos_penalty or 0.0
-        batch.advantages = batch.rewards.nan_to_num(0.0) - penalty * batch.is_truncated.float()
+        batch.scores = batch.rewards.nan_to_num(0.0) - penalty * batch.is_truncated.float()
 
-    def compute_policy_loss(self, model, inputs: RolloutBatch, num_items_in_batch=None):
+    def compute_policy_loss(self, model, inputs: OnlineDPOBatch, num_items_in_batch=None):
         mask = inputs.loss_mask
         per_token = self.policy_logprobs(model, inputs).logps
         logps, ref = (per_token * mask).sum(1).view(-1, 2), (inputs.ref_logps * mask).sum(1).view(-1, 2)  # (B, 2)
-        scores = inputs.advantages.view(-1, 2)
+        scores = inputs.scores.view(-1, 2)
         second = (scores[:, 0] < scores[:, 1]).long()[:, None]  # the second wins; ties: the first (TRL)
         order = torch.cat([second, 1 - second], dim=1)  # (B, 2): chosen, rejected
         (logps_w, logps_l), (ref_w, ref_l) = logps.gather(1, order).unbind(1), ref.gather(1, order).unbind(1)

@@ -29,6 +29,7 @@ from ..online.critic import (
     masked_mean,
     masked_var,
     masked_whiten,
+    rlhf_objective_metrics,
     score_positions,
     value_mask,
 )
@@ -199,7 +200,9 @@ class PPOTrainer(CriticMixin, OnlineTrainer):
         if self._reward_model is not None:  # TRL's reward model: a scorer of the policy's token ids
             funcs, classes = self._reward_sources
             scorer = TokenIdsRewardModel.build(self._reward_model, self.model, self.processing_class, self.accelerator)
-            self._reward_sources = ([*as_list(funcs), scorer], None if classes is None else [*classes, None])
+            if classes is not None:
+                classes = [*classes, None]  # the scorer reads token ids: no processing class of its own
+            self._reward_sources = ([*as_list(funcs), scorer], classes)
         super().setup()
         self.attach_critic(self._value_source)
         args, stop = self.args, self.args.stop_token_id
@@ -208,10 +211,12 @@ class PPOTrainer(CriticMixin, OnlineTrainer):
         if args.total_episodes is None and args.max_steps <= 0:  # TRL: episodes = epochs over the data
             args.set_total_episodes(int(args.num_train_epochs * len(self.train_dataset)))
         samples, rollouts = args.num_sample_generations, args.num_total_batches or args.max_steps
-        self._sample_every, self._start_time = max(1, rollouts // samples) if samples > 0 else 0, time.time()
+        self._sample_every = max(1, rollouts // samples) if samples > 0 else 0  # rollouts between sample tables
+        self._start_time = time.time()
 
     def rollout_plan(self) -> RolloutPlan:
-        return RolloutPlan(True, True)  # π_old anchors the ratio and the KL penalty, in both modes
+        # π_old anchors the ratio and the KL penalty, in both modes
+        return RolloutPlan(old_logps_train=True, old_logps_eval=True)
 
     def optimizer_steps_per_rollout(self) -> int:
         return self.args.num_ppo_epochs * self.args.num_mini_batches  # the learning rate moves once per rollout
@@ -233,13 +238,7 @@ class PPOTrainer(CriticMixin, OnlineTrainer):
         advantages = gae_advantages(token_rewards, batch.values, args.gamma, args.lam)  # (B, C)
         batch.returns = advantages + batch.values
         batch.advantages = masked_whiten(advantages, mask) * mask
-        for name, value in (  # TRL's PPO rollout metrics: sums per sequence (entropy: the sampled tokens' -log π)
-            ("objective/kl", kl.sum(1).mean()),
-            ("objective/entropy", (-batch.old_logps * mask).sum(1).mean()),
-            ("objective/non_score_reward", non_score.sum(1).mean()),
-            ("objective/rlhf_reward", non_score.sum(1).mean() + scores.mean()),
-            ("objective/scores", scores.mean()),
-        ):
+        for name, value in rlhf_objective_metrics(kl, non_score, scores, batch.old_logps, mask).items():
             self.log_metric(name, self.accelerator.gather_for_metrics(value).mean().item())
         self.log_metric("val/num_eos_tokens", eos_tokens.sum())
         if mode == "train":
@@ -281,6 +280,8 @@ class PPOTrainer(CriticMixin, OnlineTrainer):
 
     def log(self, logs, start_time=None):
         ratios = self._metrics[self.mode].get("val/ratio", [])
-        logs.update({"val/ratio_var": float(torch.tensor(ratios).var()) if len(ratios) > 1 else 0.0} if ratios else {})
-        logs.update({"lr": logs["learning_rate"]} if "learning_rate" in logs else {})  # TRL's PPO name
+        if ratios:  # TRL's PPO: the variance of the logged ratios over the logging window
+            logs["val/ratio_var"] = float(torch.tensor(ratios).var()) if len(ratios) > 1 else 0.0
+        if "learning_rate" in logs:
+            logs["lr"] = logs["learning_rate"]  # TRL's PPO name
         super().log(logs, start_time)

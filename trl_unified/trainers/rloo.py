@@ -79,7 +79,11 @@ class RLOOTrainer(OnlineTrainer):
         a = self.args
         aligned = a.num_iterations == 1 and a.steps_per_generation == a.gradient_accumulation_steps
         unchanged = aligned and (a.beta == 0.0 or a.steps_per_generation == 1)
-        return RolloutPlan(not unchanged, True, defer_advantages=unchanged and self.reference_model.available)
+        return RolloutPlan(
+            old_logps_train=not unchanged,
+            old_logps_eval=True,
+            defer_advantages=unchanged and self.reference_model.available,
+        )
 
     def compute_advantages(self, rewards, rewards_per_func, batch: RolloutBatch, mode: str) -> torch.Tensor:
         ref = batch.ref_logps
@@ -108,18 +112,25 @@ class RLOOTrainer(OnlineTrainer):
             advantages = (advantages - torch.nanmean(advantages)) / (nanstd(advantages) + 1e-4)
         return torch.nan_to_num(advantages, nan=0.0)
 
+    def _deferred_advantages(self, inputs: RolloutBatch, policy_logps: torch.Tensor) -> torch.Tensor:
+        """Advantages for a batch whose KL shaping waited for the loss's forward (see `rollout_plan`): this process's
+        rows `(B,)`. The rows may have been shuffled: `gather_global` puts every process's rewards and KL back in
+        generation order (one gather for both), as the group baseline needs."""
+        local_kl = self._sequence_kl(policy_logps, inputs.ref_logps, inputs.loss_mask)
+        local = torch.stack([inputs.rewards.float(), local_kl.float()], dim=1)  # (B, 2)
+        rewards, kl = inputs.gather_global(local).T.contiguous()  # (N_global,) each
+        advantages = self._advantages(rewards, kl, "train")
+        self.completion_log.add_advantages(advantages)
+        return advantages[inputs.row_index]
+
     def compute_policy_loss(self, model, inputs: RolloutBatch, num_items_in_batch=None):
         mask, mode = inputs.loss_mask, self.mode
         out = self.policy_logprobs(model, inputs)
         logps = (out.logps * mask).sum(1)  # (B,); padding and post-EOS tokens masked
         old_logps = (inputs.old_logps * mask).sum(1) if inputs.old_logps is not None else logps.detach()
         advantages = inputs.advantages
-        if self.plan.defers_advantages(mode):  # the KL shaping waited for this forward (see `old_logps` above)
-            kl = self._sequence_kl(out.logps.detach(), inputs.ref_logps, inputs.loss_mask)
-            rewards, kl = inputs.gather_global(torch.stack([inputs.rewards.float(), kl.float()], dim=1)).T.contiguous()
-            advantages = self._advantages(rewards, kl, "train")
-            self.completion_log.add_advantages(advantages)
-            advantages = advantages[inputs.row_index]
+        if self.plan.defers_advantages(mode):  # the KL shaping waited for this forward (see `rollout_plan`)
+            advantages = self._deferred_advantages(inputs, out.logps.detach())
         ratio = torch.exp(logps - old_logps)  # (B,)
         low, high = self.args.clip_range()
         loss = -torch.min(ratio * advantages, ratio.clamp(low, high) * advantages).mean()

@@ -61,14 +61,32 @@ class TPOTrainer(PreferenceTrainer):
     required_columns = [("chosen", "rejected", "reference")]
 
     def __init__(
-        self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None, processing_class=None,
-        compute_metrics=None, callbacks=None, optimizers=(None, None), peft_config=None, quantization_config=None,
-    ):  # fmt: skip
+        self,
+        model,
+        args=None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        quantization_config=None,
+    ):
         self._build(
-            model, args=args, data_collator=data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset,
-            processing_class=processing_class, compute_metrics=compute_metrics, callbacks=callbacks,
-            optimizers=optimizers, peft_config=peft_config, quantization_config=quantization_config,
-        )  # fmt: skip
+            model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+            quantization_config=quantization_config,
+        )
 
     def collated_completions(self) -> tuple[str, ...]:
         return self.completion_keys if self.args.tpo_alpha != 0.0 else ("chosen", "rejected")
