@@ -28,6 +28,7 @@ from .trainers.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from .trainers.cpo import CPOConfig, CPOTrainer
 from .trainers.distillation import DistillationConfig, DistillationTrainer
 from .trainers.dpo import DPOConfig, DPOTrainer
+from .trainers.gmpo import GMPOConfig, GMPOTrainer
 from .trainers.grm import GRMConfig, GRMTrainer
 from .trainers.grpo import GRPOConfig, GRPOTrainer
 from .trainers.kto import KTOConfig, KTOTrainer
@@ -48,6 +49,8 @@ __all__ = [
     "DPOTrainer",
     "DistillationConfig",
     "DistillationTrainer",
+    "GMPOConfig",
+    "GMPOTrainer",
     "GRMConfig",
     "GRMReward",
     "GRMTrainer",

@@ -138,4 +138,14 @@ PAPERS: dict[str, dict[str, str]] = {
     url          = {https://arxiv.org/abs/2405.16681},
 }""",
     },
+    "gmpo": {
+        "title": "Geometric-Mean Policy Optimization",
+        "id": "2507.20673",
+        "citation": """@article{zhao2025geometric,
+    title        = {{Geometric-Mean Policy Optimization}},
+    author       = {Yuzhong Zhao and others},
+    year         = 2025,
+    eprint       = {arXiv:2507.20673}
+}""",
+    },
 }

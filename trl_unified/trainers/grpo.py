@@ -20,6 +20,9 @@ exp(mean_t log(pi_theta / pi_old)) with importance_sampling_level="sequence" (GS
     sapo (arXiv:2511.20347):  l = -(4 / tau) sigmoid(tau (w - 1)) A,  tau = sapo_temperature_pos if A > 0 else _neg
     vespo (arXiv:2602.10693):  l = -sg(phi(W)) A log pi_theta,  phi(W) = e^lambda W^k e^(-lambda W),
         W = clamp(exp(sum_t log w)), (k, lambda) by the sign of A
+    gmpo (arXiv:2507.20673), per sequence:  l = -exp(1/|o| sum_t c_t) A,  the geometric mean of the token ratios,
+        c_t = min(log w_t, clip(log w_t, -eps, eps_high)) if A > 0 else max(...) (clipping in log space, over the
+        tokens top_entropy_quantile keeps; `GMPOTrainer`, or loss_type="gmpo")
     then, when beta > 0:  l += beta * KL,  KL = exp(ref - logp) - (ref - logp) - 1   (k3 estimator, Schulman 2020),
         multiplied by w when use_bias_correction_kl (DeepSeek-V3.2, arXiv:2512.02556)
 
@@ -28,7 +31,7 @@ with A < 0 whose mean KL(pi_old || pi_theta) exceeds `off_policy_mask_threshold`
 With M_i completion tokens, B rows in the micro-batch, GA accumulation steps and N loss tokens in the whole
 generation batch (all processes), the loss of one micro-batch is
 
-    grpo, sapo:  1/B sum_i (1/M_i sum_t l_it) / GA          bnpo (arXiv:2506.02864):  sum_it l / sum_i M_i / GA
+    grpo, sapo, gmpo:  1/B sum_i (1/M_i sum_t l_it) / GA      bnpo (arXiv:2506.02864):  sum_it l / sum_i M_i / GA
     dr_grpo:     sum_it l / (B * max_completion_length) / GA     luspo (arXiv:2602.05261):  1/B sum_it l / GA
     dapo (arXiv:2503.14476), cispo, vespo:  sum_it l / (N / processes * GA / steps_per_generation)
 
@@ -59,7 +62,8 @@ logger = logging.getLogger(__name__)
 class LossTerms:
     """What every loss type reads, for one micro-batch of B rows and C completion positions: `logps` log π_θ and
     `old_logps` log π_old `(B, C)`, `log_ratio` log(π_θ / π_old) per token `(B, C)`, `ratio` w per token `(B, C)` or
-    per sequence `(B, 1)`, `advantages` `(B, 1)`, `mask` `(B, C)`, the clipping bounds, the config and the batch."""
+    per sequence `(B, 1)`, `advantages` `(B, 1)`, `mask` `(B, C)`, the clipping bounds, the config, the batch, and
+    `keep` `(B, C)`: the tokens `top_entropy_quantile` keeps (None: all)."""
 
     logps: torch.Tensor
     old_logps: torch.Tensor
@@ -71,6 +75,7 @@ class LossTerms:
     high: float
     args: "GRPOConfig"
     inputs: RolloutBatch
+    keep: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -78,13 +83,15 @@ class LossType:
     """One entry of `LOSSES`. `token_loss(terms) -> (l, stat)`: the per-token loss l `(B, C)` (or `(B, 1)`) and what
     `log` reads; `normalise(trainer, masked l, terms, accumulation, mode)`: the micro-batch's loss; `log(trainer,
     stat, terms)`: the type's metrics; `check(config)`: its config rules, run by `GRPOConfig`;
-    `folds_sampling_correction`: vLLM's importance-sampling ratio enters `token_loss` itself (else it multiplies l)."""
+    `folds_sampling_correction`: vLLM's importance-sampling ratio enters `token_loss` itself (else it multiplies l);
+    `reads_kept_tokens`: `token_loss` applies `terms.keep` itself (GMPO's geometric mean; else it multiplies l)."""
 
     token_loss: Callable[[LossTerms], tuple[torch.Tensor, torch.Tensor | None]]
     normalise: Callable
     log: Callable = lambda trainer, stat, terms: None
     check: Callable = lambda config: None
     folds_sampling_correction: bool = False
+    reads_kept_tokens: bool = False
 
 
 def _clipped(t: LossTerms):
@@ -109,6 +116,18 @@ def _vespo(t: LossTerms):
     """-sg(phi(W)) A log π_θ (`_vespo_weights`)."""
     phi = _vespo_weights(t.advantages, t.log_ratio, t.mask, t.args, t.inputs.importance_sampling_ratio)
     return -phi * t.advantages * t.logps, phi
+
+
+def _gmpo(t: LossTerms):
+    """-exp(mean_t clip(log w_t)) A per sequence `(B, 1)`: the geometric mean of the token ratios, each log-ratio
+    clipped to [-eps, eps_high] on the side that would raise the objective (PPO's min, in log space), the mean over
+    the tokens `keep` keeps."""
+    high = t.args.epsilon_high if t.args.epsilon_high is not None else t.args.epsilon
+    clamped = torch.clamp(t.log_ratio, -t.args.epsilon, high)
+    clipped = torch.where(t.advantages > 0, torch.minimum(t.log_ratio, clamped), torch.maximum(t.log_ratio, clamped))
+    kept = t.mask if t.keep is None else t.mask * t.keep
+    log_weight = (clipped * kept).sum(-1, keepdim=True) / kept.sum(-1, keepdim=True).clamp(min=1.0)  # (B, 1)
+    return -torch.exp(log_weight) * t.advantages, torch.exp(t.log_ratio)
 
 
 def _per_sequence(trainer, masked, t, accumulation, mode):  # 1/B sum_i (1/M_i sum_t l_it) / GA
@@ -136,6 +155,11 @@ def _per_generation_token(trainer, masked, t, accumulation, mode):  # sum_it l /
 
 def _log_clip_ratios(trainer, ratio, t):
     trainer.log_clip_ratios(ratio, t.advantages, t.mask, t.low, t.high)
+
+
+def _log_gmpo(trainer, ratio, t):  # the token ratios against the log-space bounds
+    high = t.args.epsilon_high if t.args.epsilon_high is not None else t.args.epsilon
+    trainer.log_clip_ratios(ratio, t.advantages, t.mask, math.exp(-t.args.epsilon), math.exp(high))
 
 
 def _log_cispo(trainer, ratio, t):
@@ -180,6 +204,7 @@ LOSSES = {
     "sapo": LossType(_sapo, _per_sequence),
     "luspo": LossType(_clipped, _sequence_sums, _log_clip_ratios, _check_luspo),
     "vespo": LossType(_vespo, _per_generation_token, _log_vespo, _check_vespo, folds_sampling_correction=True),
+    "gmpo": LossType(_gmpo, _per_sequence, _log_gmpo, reads_kept_tokens=True),
 }
 LOSS_TYPES = tuple(LOSSES)
 
@@ -269,7 +294,12 @@ class GRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
         self.log_zero_std_fraction(std)
         return torch.nan_to_num(advantages, nan=0.0)
 
-    def _loss_terms(self, logps: torch.Tensor, inputs: RolloutBatch) -> LossTerms:
+    @property
+    def loss_entry(self) -> LossType:
+        """The entry of `LOSSES` this trainer's loss is (`loss_type`; `GMPOTrainer`: "gmpo")."""
+        return LOSSES[self.args.loss_type]
+
+    def _loss_terms(self, logps: torch.Tensor, inputs: RolloutBatch, keep: torch.Tensor | None) -> LossTerms:
         """The ratio w = π_θ / π_old per token, or per sequence exp(mean_t log w_t) (GSPO), and the other terms every
         loss type reads."""
         a, mask = self.args, inputs.loss_mask
@@ -290,23 +320,25 @@ class GRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
             high=high,
             args=a,
             inputs=inputs,
+            keep=keep,
         )
 
     def compute_policy_loss(self, model, inputs: RolloutBatch, num_items_in_batch=None):
-        a, mode, mask, loss_type = self.args, self.mode, inputs.loss_mask, LOSSES[self.args.loss_type]
+        a, mode, mask, loss_type = self.args, self.mode, inputs.loss_mask, self.loss_entry
         out = self.policy_logprobs(model, inputs)
-        t = self._loss_terms(out.logps, inputs)
+        keep = None  # the tokens the entropy quantile keeps (Beyond the 80/20 Rule)
+        if a.top_entropy_quantile < 1.0:
+            keep = self.get_high_entropy_mask(out.entropy, mask, 1 - a.top_entropy_quantile)
+        t = self._loss_terms(out.logps, inputs, keep)
         per_token_loss, stat = loss_type.token_loss(t)
         if a.off_policy_mask_threshold is not None:  # with vLLM, against its sampling log-probs (TRL)
             behaviour_logps = inputs.sampling_logps if inputs.sampling_logps is not None else t.old_logps
             threshold = a.off_policy_mask_threshold
             off_policy = self.get_off_policy_mask(t.advantages, out.logps, behaviour_logps, mask, threshold)
             per_token_loss = per_token_loss * off_policy
-        entropy_mask = mask  # the tokens the entropy bonus averages over
-        if a.top_entropy_quantile < 1.0:
-            high = self.get_high_entropy_mask(out.entropy, mask, 1 - a.top_entropy_quantile)
-            per_token_loss = per_token_loss * high
-            entropy_mask = mask * high
+        entropy_mask = mask if keep is None else mask * keep  # the tokens the entropy bonus averages over
+        if keep is not None and not loss_type.reads_kept_tokens:
+            per_token_loss = per_token_loss * keep
         if inputs.importance_sampling_ratio is not None and not loss_type.folds_sampling_correction:
             per_token_loss = per_token_loss * inputs.importance_sampling_ratio  # vLLM's correction
         if a.beta != 0.0:
