@@ -220,7 +220,7 @@ class PolicyConfig(TrainingArguments):
             )
         if not 0 <= self.top_p <= 1:  # as transformers' TopPLogitsWarper: 0 keeps only the most likely token
             raise ValueError(f"top_p={self.top_p} must be in [0, 1]. Use 1.0 to disable nucleus sampling.")
-        if self.top_k < 0:
+        if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k).")
         if self.max_completion_length is not None and self.max_completion_length < 1:
             raise ValueError(f"max_completion_length={self.max_completion_length} must be >= 1.")

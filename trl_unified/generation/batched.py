@@ -46,6 +46,7 @@ def generate_batched(
     lean_decoding: bool = True,
     return_logprobs: bool = False,
     vllm=None,
+    max_prompt_length: int | None = None,
     *,
     options: GenerationOptions | None = None,
 ) -> GenerationOutput:
@@ -83,6 +84,7 @@ def generate_batched(
         lean_decoding=lean_decoding,
         return_logprobs=return_logprobs,
         vllm=vllm,
+        max_prompt_length=max_prompt_length,
     )
     options = resolve_options(options, keywords)
     bare = options.accelerator.unwrap_model(model) if options.accelerator is not None else model

@@ -57,6 +57,8 @@ class GenerationOptions:
             Generate with this vLLM engine (generation/vllm_engine.py, `use_vllm=True`) instead of the model: the
             prompts are sent as token ids, a group of identical prompts once with `n` = its size; the sampled
             tokens' log-probs come back (kept with `return_logprobs`). Text-only; `batch_size` does not apply.
+        max_prompt_length (`int`, *optional*):
+            Keep each encoded prompt's last `max_prompt_length` tokens (left truncation; text prompts). None: all.
     """
 
     batch_size: int | None = None
@@ -73,6 +75,7 @@ class GenerationOptions:
     lean_decoding: bool = True
     return_logprobs: bool = False
     vllm: Any = None  # a generation.vllm_engine.VLLMEngine
+    max_prompt_length: int | None = None
 
     @property
     def has_visual_inputs(self) -> bool:

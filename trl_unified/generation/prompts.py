@@ -30,9 +30,25 @@ def encode_for_generation(
             f"prompts{empty[:5]} encode to no tokens (empty prompt {prompts[empty[0]]!r}); a decoder-only model needs "
             "at least one prompt token to generate from. Remove empty prompts or give the tokenizer a BOS token."
         )
+    if options.max_prompt_length is not None:
+        encoded = [keep_last_tokens(e, options.max_prompt_length) for e in encoded]
     check_fits_positions(model, encoded, generation_config)
     check_prompt_ids(model, encoded, tokenizer)
     return encoded
+
+
+def keep_last_tokens(encoded: dict[str, Any], length: int) -> dict[str, Any]:
+    """An encoded text prompt cut to its last `length` tokens (every per-token field alike); a prompt with images or
+    videos raises (its image tokens must stay whole)."""
+    ids = encoded["input_ids"]
+    if len(ids) <= length:
+        return encoded
+    if set(encoded) - {"input_ids", "attention_mask"}:
+        raise ValueError(
+            f"max_prompt_length={length} would cut a prompt of {len(ids)} tokens that carries images or other "
+            "inputs; raise max_prompt_length or set it to None."
+        )
+    return {key: value[-length:] for key, value in encoded.items()}
 
 
 def padding_token_id(tokenizer) -> int | None:

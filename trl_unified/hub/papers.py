@@ -148,4 +148,14 @@ PAPERS: dict[str, dict[str, str]] = {
     eprint       = {arXiv:2507.20673}
 }""",
     },
+    "a2po": {
+        "title": "Accelerating RL for LLM Reasoning with Optimal Advantage Regression",
+        "id": "2505.20686",
+        "citation": """@article{brantley2025accelerating,
+    title        = {{Accelerating RL for LLM Reasoning with Optimal Advantage Regression}},
+    author       = {Kiant\\'e Brantley and Mingyu Chen and Zhaolin Gao and Jason D. Lee and Wen Sun and Wenhao Zhan and Xuezhou Zhang},
+    year         = 2025,
+    eprint       = {arXiv:2505.20686},
+}""",
+    },
 }

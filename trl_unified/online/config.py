@@ -29,6 +29,10 @@ class OnlineConfig(PolicyConfig):
     _min_num_generations: ClassVar[int] = 2  # completions per prompt needed at least (group baseline: 2, critic: 1)
     _batch_unit: ClassVar[int] = 1  # completions per per_device_train_batch_size unit (online DPO: 2, as TRL)
     _vllm_only_fields: ClassVar[tuple[str, ...]] = _VLLM_FIELDS[1:]  # without use_vllm: ignored, as TRL (a warning)
+    # OnlineConfig fields a trainer's algorithm has no use for (distillation: no reward, ratio or clipping), with
+    # why: set to a non-default value they raise.
+    _inapplicable_fields: ClassVar[tuple[str, ...]] = ()
+    _inapplicable_reason: ClassVar[str] = ""
 
     learning_rate: float = option(1e-6, "Initial AdamW learning rate.")
     remove_unused_columns: bool | None = option(False, "Keep every dataset column (extra ones reach rewards).")
@@ -135,9 +139,19 @@ class OnlineConfig(PolicyConfig):
             if self.async_rollouts and getattr(self, name) < low:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= {low}.")
         self._check_batch_layout()
+        self._check_inapplicable_fields()
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations={self.num_iterations} must be >= 1.")
         self._check_beta()
+
+    def _check_inapplicable_fields(self) -> None:
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in self._inapplicable_fields:
+            if getattr(self, name) != defaults[name]:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} does not apply to {self._inapplicable_reason}; leave it at its "
+                    f"default ({defaults[name]!r})."
+                )
 
     def _check_beta(self):
         if self.beta < 0:

@@ -27,7 +27,7 @@ class OnlineDataMixin:
                         "or a list of messages). Filter such rows out, e.g. dataset.filter(lambda row: row['prompt'])."
                     )
             need = self.args.generation_batch_size // self.args.num_generations
-            if name == "train" and len(dataset) < need:
+            if name == "train" and len(dataset) < need and not self.keeps_incomplete_rounds:
                 raise ValueError(
                     f"train_dataset has {len(dataset)} prompts, but one generation batch needs {need} distinct "
                     f"prompts (generation_batch_size={self.args.generation_batch_size} / "
@@ -109,7 +109,13 @@ class OnlineDataMixin:
 
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
-        return RepeatSampler(dataset, *self._repeats(), shuffle=self.args.shuffle_dataset, seed=self.args.seed)
+        return RepeatSampler(
+            dataset,
+            *self._repeats(),
+            shuffle=self.args.shuffle_dataset,
+            seed=self.args.seed,
+            drop_last=not self.keeps_incomplete_rounds,
+        )
 
     def _get_eval_sampler(self, eval_dataset):
         return RepeatSampler(eval_dataset, mini_repeat_count=self.num_generations_eval, seed=self.args.seed)

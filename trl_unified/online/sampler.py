@@ -10,7 +10,8 @@ from torch.utils.data import Sampler
 
 class RepeatSampler(Sampler):
     """Yield each index `mini_repeat_count` times in a row, in chunks of `batch_size` distinct indices, each chunk
-    repeated `repeat_count` times. Incomplete final chunks are dropped.
+    repeated `repeat_count` times. An incomplete final chunk is dropped, unless `drop_last=False` (rounds that need
+    no whole groups: A*-PO's one completion per prompt).
 
     This is how an online trainer lays out a generation batch: the `G` completions of a prompt are contiguous
     (so a group is easy to find), and the same prompts come back for `num_iterations * steps_per_generation`
@@ -31,8 +32,9 @@ class RepeatSampler(Sampler):
         repeat_count: int = 1,
         shuffle: bool = True,
         seed: int | None = None,
+        drop_last: bool = True,
     ):
-        self.num_samples = len(data_source)
+        self.num_samples, self.drop_last = len(data_source), drop_last
         self.mini_repeat_count, self.batch_size, self.repeat_count = mini_repeat_count, batch_size, repeat_count
         self.shuffle, self.generator = shuffle, torch.Generator()
         if seed is not None:
@@ -41,11 +43,13 @@ class RepeatSampler(Sampler):
     def __iter__(self) -> Iterator[int]:
         n = self.num_samples
         order = torch.randperm(n, generator=self.generator).tolist() if self.shuffle else list(range(n))
-        for start in range(0, len(order) - self.batch_size + 1, self.batch_size):
+        last = len(order) if not self.drop_last else len(order) - self.batch_size + 1
+        for start in range(0, last, self.batch_size):
             yield from _repeated(order[start : start + self.batch_size], self.mini_repeat_count, self.repeat_count)
 
     def __len__(self) -> int:
-        return (self.num_samples // self.batch_size) * self.batch_size * self.mini_repeat_count * self.repeat_count
+        kept = self.num_samples if not self.drop_last else (self.num_samples // self.batch_size) * self.batch_size
+        return kept * self.mini_repeat_count * self.repeat_count
 
 
 class RepeatedIterable(torch.utils.data.IterableDataset):

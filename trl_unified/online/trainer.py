@@ -48,6 +48,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
     old_logps_from_sampling = False
     reshuffle_each_iteration = False
     shuffles_groups = False  # True: micro-batches hold whole groups (online DPO's loss reads each pair together)
+    keeps_incomplete_rounds = False  # True: a last, smaller round is trained on too (A2PO: no groups to complete)
     batch_class = RolloutBatch  # what a rollout returns (a subclass may add views of it)
     _entropy_bonus_enabled = False  # TRL's attribute: entropies keep their gradient when an entropy bonus is on
 
@@ -364,11 +365,33 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
                     self._release_environments(item.samples.environments)
             self._producer = None
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:  # the Trainer's "the last one in output_dir"
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        self.before_training(checkpoint if isinstance(checkpoint, str) else None)
         try:
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self._close_producer()  # no thread outlives train()
+
+    def before_training(self, checkpoint: str | None) -> None:
+        """Called by `train()` before the data loader is built, with the checkpoint being resumed (or None): work
+        done once before the first step (default: nothing; A2PO's value estimation, or its result read back from the
+        checkpoint with `checkpoint_state_of`)."""
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a trainer saves with each checkpoint beside the generation buffer (default: nothing); read back by
+        `restore_checkpoint_state` when resuming."""
+        return {}
+
+    def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Restore what `checkpoint_state` saved (called when a checkpoint is resumed)."""
+
+    def checkpoint_state_of(self, checkpoint: str | None) -> dict[str, Any] | None:
+        """This process's saved state in `checkpoint` (`_save_checkpoint`), or None."""
+        path = os.path.join(checkpoint, f"trl_unified_state_{self.accelerator.process_index}.pt") if checkpoint else ""
+        return torch.load(path, weights_only=False) if os.path.exists(path) else None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         start = time.perf_counter()
@@ -383,16 +406,17 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}")
         state = {"step": self._step, "buffer": self._buffer, "rollout": self._rollout}  # a resume continues mid-round
+        state["trainer"] = self.checkpoint_state()
         torch.save(state, os.path.join(folder, f"trl_unified_state_{self.accelerator.process_index}.pt"))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         """Resuming: the generation buffer and micro-step counter too (before the first batch is read: a producer
         of asynchronous rollouts starts from them)."""
         super()._load_optimizer_and_scheduler(checkpoint)
-        path = os.path.join(checkpoint, f"trl_unified_state_{self.accelerator.process_index}.pt") if checkpoint else ""
-        if os.path.exists(path):
-            state = torch.load(path, weights_only=False)
+        state = self.checkpoint_state_of(checkpoint)
+        if state is not None:
             self._step, self._buffer, self._rollout = state["step"], state["buffer"], state.get("rollout")
+            self.restore_checkpoint_state(state.get("trainer", {}))
 
     # ------------------------------------------------------------------ the rollout
     def rollout(self, rows: list[dict[str, Any]]) -> RolloutBatch:

@@ -34,10 +34,6 @@ from ..online.rollout import RolloutBatch, RolloutPlan, Samples
 from ..online.trainer import OnlineTrainer
 
 
-# OnlineConfig's reinforcement-learning fields: distillation has no reward, ratio or clipping.
-_RL_ONLY = ("num_iterations", "epsilon", "epsilon_high", "reward_weights", "strict_rewards", "num_generations_eval")
-
-
 @document_fields
 @dataclass
 class DistillationConfig(OnlineConfig):
@@ -45,6 +41,15 @@ class DistillationConfig(OnlineConfig):
     defaults (the sampling, vLLM, tool and logging fields are the online core's)."""
 
     _min_num_generations = 1
+    _inapplicable_fields = (
+        "num_iterations",
+        "epsilon",
+        "epsilon_high",
+        "reward_weights",
+        "strict_rewards",
+        "num_generations_eval",
+    )
+    _inapplicable_reason = "distillation (no reward, ratio or clipping)"
     _unimplemented_fields = {
         **OnlineConfig._unimplemented_fields,
         "padding_free": "The student and teacher passes run on padded rows.",
@@ -63,13 +68,6 @@ class DistillationConfig(OnlineConfig):
         if not 0.0 <= self.beta <= 1.0:
             raise ValueError(f"beta must be in [0.0, 1.0], got {self.beta}.")
         super().__post_init__()
-        defaults = {name: self.__dataclass_fields__[name].default for name in _RL_ONLY}
-        for name, default in defaults.items():
-            if getattr(self, name) != default:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} does not apply to distillation (no reward, ratio or clipping); "
-                    f"leave it at its default ({default!r})."
-                )
 
     def uses_reference_model(self) -> bool:
         return False  # `beta` here is the divergence's interpolation, not a KL coefficient; the teacher is separate
