@@ -29,6 +29,7 @@ from .trainers.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from .trainers.cpo import CPOConfig, CPOTrainer
 from .trainers.distillation import DistillationConfig, DistillationTrainer
 from .trainers.dpo import DPOConfig, DPOTrainer
+from .trainers.gkd import GKDConfig, GKDTrainer
 from .trainers.gmpo import GMPOConfig, GMPOTrainer
 from .trainers.grm import GRMConfig, GRMTrainer
 from .trainers.grpo import GRPOConfig, GRPOTrainer
@@ -52,6 +53,8 @@ __all__ = [
     "DPOTrainer",
     "DistillationConfig",
     "DistillationTrainer",
+    "GKDConfig",
+    "GKDTrainer",
     "GMPOConfig",
     "GMPOTrainer",
     "GRMConfig",

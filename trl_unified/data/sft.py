@@ -125,3 +125,63 @@ class SFTCollator:
             )
         visual = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
         return SFTBatch(batch["input_ids"], batch["attention_mask"], labels, visual)
+
+
+class ChatMLCollator:
+    """TRL's `DataCollatorForChatML` contract (GKD's default collator): each row's prompt and completion tokens,
+    everything left-padded, as TRL's keys: `input_ids`, `attention_mask`, `labels` (-100 on the prompt and padding),
+    `prompts` and `prompt_attention_mask` (the prompt tokens alone, what on-policy generation continues).
+
+    Rows: `messages` (the last turn is the completion, the turns before it the prompt; TRL's format), `prompt` +
+    `completion` (standard or conversational), or pre-tokenised `input_ids` with a `completion_mask`. A row longer
+    than `max_length` (None: the tokenizer's `model_max_length`, at most 1024, as TRL) keeps its last `max_length`
+    tokens, so its prompt loses its start; a row left with no prompt token is an error.
+    """
+
+    def __init__(self, tokenizer, max_length: int | None = None, chat_template_kwargs: dict | None = None):
+        self.tokenizer = get_tokenizer(tokenizer)
+        if self.tokenizer.pad_token_id is None:
+            raise ValueError("The tokenizer does not have a pad token. Please set `pad_token_id` in the tokenizer.")
+        self.max_length = max_length if max_length is not None else min(self.tokenizer.model_max_length, 1024)
+        self.chat_template_kwargs = chat_template_kwargs
+
+    def split(self, row: dict[str, Any]) -> tuple[list[int], list[int]]:
+        """The prompt and completion token ids of one row, truncated to `max_length` from the start."""
+        if "input_ids" in row:
+            ids, mask = list(row["input_ids"]), row.get("completion_mask")
+            if mask is None:
+                raise ValueError("A pre-tokenised row needs a `completion_mask` (1 on the completion's tokens).")
+            start = list(mask).index(1) if 1 in mask else len(ids)
+            prompt_ids, completion_ids = ids[:start], ids[start:]
+        else:
+            prompt, completion = split_prompt_completion(row)
+            prompt_ids, completion_ids = tokenize_prompt_completion(
+                self.tokenizer, prompt, completion, self.chat_template_kwargs
+            )
+        excess = len(prompt_ids) + len(completion_ids) - self.max_length
+        if excess > 0:  # keep the end: the prompt's start goes first, then the completion's
+            dropped_from_completion = max(excess - len(prompt_ids), 0)
+            prompt_ids, completion_ids = prompt_ids[excess:], completion_ids[dropped_from_completion:]
+        if not prompt_ids:
+            raise ValueError(
+                f"An example has no prompt tokens left after truncation to max_length={self.max_length}. This "
+                "happens when the completion alone fills the whole window, so the prompt is entirely dropped, "
+                "leaving nothing to generate from. Increase `max_length`."
+            )
+        return prompt_ids, completion_ids
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        prompts, sequences, labels = [], [], []
+        for row in rows:
+            prompt_ids, completion_ids = self.split(row)
+            prompts.append(torch.tensor(prompt_ids))
+            sequences.append(torch.tensor(prompt_ids + completion_ids))
+            labels.append(torch.tensor([-100] * len(prompt_ids) + completion_ids))
+        pad_id = self.tokenizer.pad_token_id
+        return {
+            "input_ids": pad(sequences, pad_id, "left"),
+            "attention_mask": pad([torch.ones_like(s) for s in sequences], 0, "left"),
+            "labels": pad(labels, -100, "left"),
+            "prompts": pad(prompts, pad_id, "left"),
+            "prompt_attention_mask": pad([torch.ones_like(p) for p in prompts], 0, "left"),
+        }

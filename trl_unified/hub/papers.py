@@ -159,3 +159,4 @@ PAPERS: dict[str, dict[str, str]] = {
 }""",
     },
 }
+PAPERS["gkd"] = PAPERS["distillation"]  # GKD is the distillation paper's algorithm (its on/off-policy mix)

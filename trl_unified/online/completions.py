@@ -3,6 +3,7 @@ multi-turn tool loop (tools and environments, `online/agents.py`), as token ids 
 """
 
 import copy
+import random
 from typing import Any, NamedTuple
 
 from trl import is_conversational
@@ -22,6 +23,25 @@ class SampledCompletions(NamedTuple):
     tool_calls: int = 0
     tool_failures: int = 0
     logprobs_are_policy: bool = True
+
+
+class CompletionMix:
+    """The on/off-policy mix of generalized knowledge distillation (GKD: Agarwal et al., 2024, "On-Policy
+    Distillation of Language Models: Learning from Self-Generated Mistakes", arXiv:2306.13649, Algorithm 1): each
+    training round is, with probability `lmbda`, the policy's own samples ("policy"); otherwise the dataset's
+    completions ("dataset", supervised KD) or, with `seq_kd`, the teacher's samples ("teacher", sequence-level KD).
+    Evaluation rounds read `eval_source`. The coin is Python's `random` (TRL's `random.random() <= lmbda`), whose
+    state every checkpoint saves, so a resumed run draws the same rounds."""
+
+    def __init__(self, lmbda: float = 1.0, seq_kd: bool = False, eval_source: str = "policy"):
+        self.lmbda, self.seq_kd, self.eval_source = lmbda, seq_kd, eval_source
+
+    def draw(self, mode: str) -> str:
+        if mode == "eval":
+            return self.eval_source
+        if self.lmbda >= 1.0 or random.random() <= self.lmbda:
+            return "policy"
+        return "teacher" if self.seq_kd else "dataset"
 
 
 class CompletionsMixin:
@@ -78,6 +98,16 @@ class CompletionsMixin:
             prompt_ids, completion_ids, self.processing_class, self.eos_token_ids, tool_mask, multiple, device
         )
         return SampledCompletions(out, completions, extra_fields, calls, failures)
+
+    def given_completions(self, prompt_ids, completion_ids, conversational: bool) -> SampledCompletions:
+        """Completions this policy did not sample (the dataset's, a teacher's) as a round's: token ids as given, the
+        texts decoded; no sampling log-probs."""
+        multiple, device = self.args.pad_to_multiple_of, self.accelerator.device
+        out = GenerationOutput.from_token_lists(
+            prompt_ids, completion_ids, self.processing_class, self.eos_token_ids, None, multiple, device
+        )
+        completions = [[{"role": "assistant", "content": t}] for t in out.texts] if conversational else out.texts
+        return SampledCompletions(out, completions, {})
 
     def _call_rollout_func(self, prompts):
         """TRL's contract: `rollout_func(prompts, trainer)` returns `prompt_ids`, `completion_ids` and `logprobs`

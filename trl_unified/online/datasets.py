@@ -18,7 +18,7 @@ class OnlineDataMixin:
         if dataset is None:
             return self._environment_owned_dataset() if name == "train" else None
         if self._environment_factory is None or "prompt" in dataset_columns(dataset):
-            require_columns(dataset, [["prompt"]], f"{name} dataset", type(self).__name__)
+            require_columns(dataset, [list(self.prompt_columns)], f"{name} dataset", type(self).__name__)
         if isinstance(dataset, Dataset) and "prompt" in dataset.column_names:
             for i, prompt in enumerate(dataset["prompt"]):  # empty or missing prompts cannot be generated from
                 if prompt in (None, []) or (isinstance(prompt, str) and not prompt.strip()):

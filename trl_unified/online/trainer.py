@@ -25,7 +25,7 @@ from ..models.loading import cast_lm_head_to_fp32, get_tokenizer
 from .agents import EMPTY_PROMPT, Environments, check_tool, check_tool_support, prepare_tool_template
 from .async_rollouts import AsyncRollouts, EpochStart, ProducerLimits, RoundSchedule, ScheduledRows
 from .completion_log import CompletionLog
-from .completions import CompletionsMixin, row_value
+from .completions import CompletionsMixin, SampledCompletions, row_value
 from .config import OnlineConfig
 from .datasets import OnlineDataMixin
 from .metrics import OnlineMetricsMixin
@@ -50,6 +50,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
     shuffles_groups = False  # True: micro-batches hold whole groups (online DPO's loss reads each pair together)
     keeps_incomplete_rounds = False  # True: a last, smaller round is trained on too (A2PO: no groups to complete)
     batch_class = RolloutBatch  # what a rollout returns (a subclass may add views of it)
+    prompt_columns = ("prompt",)  # a dataset needs one of them (GKD: also `messages` or pre-tokenised rows)
     _entropy_bonus_enabled = False  # TRL's attribute: entropies keep their gradient when an entropy bonus is on
 
     def __init__(
@@ -77,7 +78,7 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
         super().__init__(
             model,
             args,
-            data_collator=list,
+            data_collator=None,  # make_data_collator()
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
@@ -430,8 +431,9 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
     def sample(self, rows: list[dict[str, Any]]) -> Samples:
         """Stage one: the rows' prompts (after each environment's `reset`) and their completions. No collective
         and no metric: it may run ahead of training, on weights `policy_version` steps old."""
+        rows = self.rows_of(rows)
         prompts, images, environments = self._rollout_prompts(rows)
-        sampled = self._generate(prompts, images, environments=environments)
+        sampled = self.sample_completions(rows, prompts, images, environments)
         rows = [{**row, **{k: row_value(v, i) for k, v in sampled.extra_fields.items()}} for i, row in enumerate(rows)]
         policy_version = self.state.global_step  # the weights generation used: the trainer's, or the engine's copy
         if self.vllm_engine is not None:
@@ -448,6 +450,20 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
             tool_failures=sampled.tool_failures,
             environments=environments,
         )
+
+    def make_data_collator(self):
+        return list  # a round reads the dataset's rows as they are (`rows_of`)
+
+    def rows_of(self, batch) -> list[dict[str, Any]]:
+        """The rows of a data-loader batch: the dataset's rows themselves (the online collator is `list`); a trainer
+        with a collator of its own (GKD's ChatML collator) reads its rows from the collated batch."""
+        return batch
+
+    def sample_completions(self, rows, prompts, images, environments) -> SampledCompletions:
+        """The completions of one round (the hook where they come from): the policy's sampling, by default (a
+        `rollout_func`, generation, the tool loop); distillation mixes in the dataset's or a teacher's
+        (`CompletionMix`)."""
+        return self._generate(prompts, images, environments=environments)
 
     def finish(self, samples: Samples) -> RolloutBatch:
         """Stage two, under the current weights: the typed batch with its old / reference log-probs, the sampling

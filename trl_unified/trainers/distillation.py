@@ -24,11 +24,13 @@ from ..core.divergence import generalized_jsd_loss, reduce_divergence, token_div
 from ..core.lm_head import HiddenStateHead
 from ..core.logprobs import position_ids_from_mask
 from ..core.reference import prepare_frozen_model
+from ..generation import generate_batched
 from ..generation.fallbacks import report_fallback
 from ..generation.packed_weights import packed_linear_weights
 from ..generation.sharing import PrefixSharingUnsupported, cache_kwarg, common_prefix, common_prefix_cache
-from ..models.loading import load_model
+from ..models.loading import get_tokenizer, load_model
 from ..models.token_ids import embedding_rows, mask_padding
+from ..online.completions import CompletionMix, SampledCompletions
 from ..online.config import OnlineConfig
 from ..online.rollout import RolloutBatch, RolloutPlan, Samples
 from ..online.trainer import OnlineTrainer
@@ -173,8 +175,44 @@ class DistillationTrainer(OnlineTrainer):
             )
         self.teacher_model = prepare_frozen_model(teacher.requires_grad_(False), self.accelerator)
         del self._teacher_source
+        self.mix = self.completion_mix()
 
     # ------------------------------------------------------------------ the rollout: no reward, no ratio
+    def completion_mix(self) -> CompletionMix:
+        """Where each round's completions come from: always the student's samples (on-policy distillation); GKD mixes
+        in the dataset's or the teacher's."""
+        return CompletionMix()
+
+    @property
+    def divergence_temperature(self) -> float:
+        """The temperature both models' logits are divided by in D: the sampling temperature (TRL's
+        DistillationTrainer); GKD's loss reads the models themselves (1.0)."""
+        return self.args.temperature
+
+    def sample_completions(self, rows, prompts, images, environments) -> SampledCompletions:
+        source = self.mix.draw(self.mode)
+        if source == "policy":
+            return super().sample_completions(rows, prompts, images, environments)
+        if source == "dataset":
+            return self.given_completions(prompts, [row["completion_ids"] for row in rows], conversational=False)
+        return self.teacher_samples(prompts)
+
+    def teacher_samples(self, prompts) -> SampledCompletions:
+        """The teacher's own completions of `prompts` (sequence-level KD), with the student's sampling settings."""
+        out = generate_batched(
+            self.teacher_model,
+            self.processing_class,
+            prompts,
+            generation_config=self.make_generation_config(),
+            accelerator=self.accelerator,
+            chat_template_kwargs=self.args.chat_template_kwargs,
+            eos_token_ids=self.eos_token_ids,
+            lean_decoding=self.args.lean_decoding,
+            pad_to_multiple_of=self.args.pad_to_multiple_of,
+        )
+        prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(out.prompt_ids, out.prompt_mask, strict=True)]
+        return self.given_completions(prompt_ids, out.completion_ids_list, conversational=False)
+
     def rollout_plan(self) -> RolloutPlan:
         return RolloutPlan(old_logps_train=False, old_logps_eval=False)  # no ratio in the loss: π_old is never read
 
@@ -184,8 +222,11 @@ class DistillationTrainer(OnlineTrainer):
     def score_rollout(self, batch: RolloutBatch, samples: Samples, mode: str) -> None:
         """No rewards and no advantages: the round is only logged."""
         batch.rewards = torch.zeros(len(batch), device=batch.prompt_ids.device)
+        prompts = samples.prompts
+        if prompts and isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], int):
+            prompts = get_tokenizer(self.processing_class).batch_decode(prompts, skip_special_tokens=True)
         self.completion_log.add_round(
-            prompts=samples.prompts,
+            prompts=prompts,
             completions=samples.completions,
             images=samples.images,
             rewards=None,
@@ -197,6 +238,8 @@ class DistillationTrainer(OnlineTrainer):
 
     # ------------------------------------------------------------------ the loss
     def compute_policy_loss(self, model, inputs, num_items_in_batch=None):
+        if isinstance(inputs, dict) and "labels" in inputs and "completion_ids" not in inputs:
+            return self.labelled_loss(model, inputs, num_items_in_batch)
         get = inputs.get
         prompt_ids, prompt_mask = get("prompt_ids"), get("prompt_mask")
         completion_ids, completion_mask = get("completion_ids"), get("completion_mask")
@@ -212,6 +255,15 @@ class DistillationTrainer(OnlineTrainer):
         loss = self._reduce_divergence_loss(divergence, completion_mask=mask, num_items_in_batch=num_items_in_batch)
         self.log_metric("entropy", self.masked_global_mean(entropy, mask))
         return loss
+
+    def labelled_loss(self, model, inputs, num_items_in_batch=None):
+        """The loss of a batch in TRL's keys (GKD's collator, TRL 1.10's distillation batches): `input_ids`,
+        `attention_mask`, `labels` (-100 off the completion); D at every position whose next token is labelled,
+        summed and divided by `num_items_in_batch` when given, else averaged over those positions."""
+        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+        mask = (inputs["labels"][:, 1:] != -100).long()
+        divergence, _ = self.token_divergence(model, input_ids, attention_mask, input_ids.size(1) - 1, mask)
+        return self._reduce_divergence_loss(divergence, completion_mask=mask, num_items_in_batch=num_items_in_batch)
 
     def token_divergence(self, model, input_ids, attention_mask, width: int, mask=None):
         """`(D, student entropy)` `(B, C)` of the last `width` tokens, at `mask`'s positions if given (0 elsewhere):
@@ -236,7 +288,7 @@ class DistillationTrainer(OnlineTrainer):
             student_hidden, teacher_hidden = student_hidden[real][None], teacher_hidden[real][None]
         linear = (student.linear(), teacher.linear())  # both plain linear heads: the gradient in the forward
         divergence, entropy = token_divergence(
-            student_hidden, teacher_hidden, student.head, teacher.head, self.args.beta, self.args.temperature,
+            student_hidden, teacher_hidden, student.head, teacher.head, self.args.beta, self.divergence_temperature,
             student.transform, teacher.transform, linear=None if None in linear else linear,
         )  # fmt: skip
         if real is None:
@@ -273,9 +325,11 @@ class DistillationTrainer(OnlineTrainer):
         student_logits = logits(model)
         with torch.no_grad():
             teacher_logits = logits(self.teacher_model)
-        terms = self.generalized_jsd_loss(student_logits, teacher_logits, beta=self.args.beta,
-                                          temperature=self.args.temperature, reduction="none")  # fmt: skip
+        temperature = self.divergence_temperature
+        terms = self.generalized_jsd_loss(
+            student_logits, teacher_logits, beta=self.args.beta, temperature=temperature, reduction="none"
+        )
         with torch.no_grad():
-            log_probs = torch.log_softmax(student_logits.float() / self.args.temperature, dim=-1)
+            log_probs = torch.log_softmax(student_logits.float() / temperature, dim=-1)
             entropy = -(log_probs.exp() * log_probs).sum(-1)
         return terms.sum(-1), entropy
