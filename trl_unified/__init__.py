@@ -38,6 +38,7 @@ from .trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 from .trainers.orpo import ORPOConfig, ORPOTrainer
 from .trainers.ppo import PPOConfig, PPOTrainer
 from .trainers.rloo import RLOOConfig, RLOOTrainer, rloo_advantages
+from .trainers.server_distillation import ServerDistillationConfig, ServerDistillationTrainer
 from .trainers.tpo import TPOConfig, TPOTrainer
 
 
@@ -88,6 +89,8 @@ __all__ = [
     "ReferencePreferenceConfig",
     "PolicyTrainerBase",
     "RLOOConfig",
+    "ServerDistillationConfig",
+    "ServerDistillationTrainer",
     "RLOOTrainer",
     "ReferenceModel",
     "RepeatSampler",

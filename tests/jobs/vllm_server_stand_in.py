@@ -12,10 +12,13 @@ class VLLMServerStandIn:
     """`server = VLLMServerStandIn(); server.url`; `server.down()` / `server.up()`; `server.stall_for = seconds` delays
     the next completion; `server.hang()` makes every completion and `/health` request wait until `server.release()`
     (a hung server: it accepts connections but never answers); `server.requests`: `"METHOD /path"` in order,
-    `server.bodies` their JSON bodies. Completions are `completion` (token ids, log-prob -0.5 each), `n` per prompt."""
+    `server.bodies` their JSON bodies. Completions are `completion` (token ids, log-prob -0.5 each), `n` per prompt.
+    With a `teacher` model, a request with `prompt_logprobs` is scored as vLLM does: per prompt position (the first
+    None), the top `prompt_logprobs` tokens by rank and the position's own token, log-probs of the model's logits
+    divided by `temperature`; `/server_info` reports the model's vocabulary size."""
 
-    def __init__(self, completion=(7, 8, 9), world_size=1):
-        self.completion, self.world_size = list(completion), world_size
+    def __init__(self, completion=(7, 8, 9), world_size=1, teacher=None):
+        self.completion, self.world_size, self.teacher = list(completion), world_size, teacher
         self.requests, self.bodies, self.stall_for = [], [], 0.0
         self.answering, self.hang_after = threading.Event(), None
         self.answering.set()
@@ -54,6 +57,8 @@ class VLLMServerStandIn:
             return {"data": [{"id": "stand-in", "max_model_len": 512}]}
         if path == "/get_world_size":
             return {"world_size": self.world_size}
+        if path == "/v1/completions" and body.get("prompt_logprobs") is not None:
+            return {"choices": [self._score(i, ids, body) for i, ids in enumerate(body["prompt"])]}
         if path == "/v1/completions":
             if self.hang_after is not None:
                 self.hang_after -= 1
@@ -72,8 +77,25 @@ class VLLMServerStandIn:
             ]
             return {"choices": choices}
         if path.startswith("/server_info"):
-            return {"vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs"}}}
+            model_config = {"logprobs_mode": "processed_logprobs"}
+            if self.teacher is not None:
+                model_config["hf_config"] = {"vocab_size": self.teacher.config.vocab_size}
+            return {"vllm_config": {"model_config": model_config}}
         return {}
+
+    def _score(self, index: int, ids: list[int], body: dict) -> dict:
+        import torch
+
+        with torch.no_grad():
+            logits = self.teacher(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+        log_probs = torch.log_softmax(logits / body.get("temperature", 1.0), dim=-1)
+        ranks = log_probs.argsort(dim=-1, descending=True).argsort(dim=-1) + 1
+        positions = [None]
+        for position, token in enumerate(ids[1:]):
+            row, k = log_probs[position], body["prompt_logprobs"]
+            chosen = {*row.topk(k).indices.tolist(), token}
+            positions.append({str(t): {"logprob": row[t].item(), "rank": ranks[position, t].item()} for t in chosen})
+        return {"index": index, "token_ids": [0], "prompt_logprobs": positions}
 
     def _handler(self):
         stand_in = self

@@ -89,6 +89,64 @@ def generalized_jsd_loss(
     return reduce_divergence(jsd, mask, reduction, num_items_in_batch)
 
 
+# ---------------------------------------------------------------------------------------------- sparse supports
+# A teacher on a server reports only a few log-probs per position (its top-k, and the sampled token's). D is then
+# taken over that support: the student's full-vocabulary log-probs gathered there, both sides completed by a tail
+# bucket holding the rest of the mass (log(1 - sum_k p_k)), or renormalised over the support (TRL's `loss_add_tail`).
+
+
+def add_tail_bucket(log_probs: torch.Tensor, valid_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(..., K)` log-probs of a support and its mask, extended to `(..., K + 1)` with the tail bucket (the support's
+    mass clamped below 1 so that the tail stays finite); the tail is always valid."""
+    mass = torch.logsumexp(log_probs, dim=-1, keepdim=True).clamp(max=-1e-7)
+    tail = torch.log(-torch.expm1(mass))
+    return torch.cat([log_probs, tail], dim=-1), torch.cat([valid_mask, torch.ones_like(valid_mask[..., :1])], dim=-1)
+
+
+def masked_jsd_divergence(s: torch.Tensor, t: torch.Tensor, beta: float, support_mask=None) -> torch.Tensor:
+    """`jsd_divergence`'s terms over a support whose masked entries (log-prob -inf) contribute 0 (TRL's
+    `_jsd_divergence`); without a mask, `jsd_divergence` itself."""
+    if support_mask is None:
+        return jsd_divergence(s, t, beta)
+    s0, t0 = s.masked_fill(~support_mask, 0.0), t.masked_fill(~support_mask, 0.0)
+    ps, pt = s.exp().masked_fill(~support_mask, 0.0), t.exp().masked_fill(~support_mask, 0.0)
+    if beta == 0:
+        return torch.nan_to_num(pt * (t0 - s0))
+    if beta == 1:
+        return torch.nan_to_num(ps * (s0 - t0))
+    mixture = torch.log(((1 - beta) * ps + beta * pt).clamp_min(torch.finfo(s.dtype).tiny))
+    mixture = mixture.masked_fill(~support_mask, 0.0)
+    return beta * torch.nan_to_num(pt * (t0 - mixture)) + (1 - beta) * torch.nan_to_num(ps * (s0 - mixture))
+
+
+def sparse_divergence(student_log_probs, support_ids, teacher_log_probs, support_mask, beta: float, add_tail: bool):
+    """D per position `(B, T)` over a support `(B, T, K)` (`support_ids`, the teacher's log-probs there, a mask):
+    the student's full-vocabulary log-probs `(B, T, V)` gathered on it, both sides with a tail bucket or
+    renormalised over the support."""
+    student = student_log_probs.gather(-1, support_ids).masked_fill(~support_mask, -math.inf)
+    teacher = teacher_log_probs.masked_fill(~support_mask, -math.inf)
+    if add_tail:
+        student, mask = add_tail_bucket(student, support_mask)
+        teacher, _ = add_tail_bucket(teacher, support_mask)
+    else:
+        mask = support_mask
+        student = student - torch.logsumexp(student, dim=-1, keepdim=True)
+        teacher = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
+    return masked_jsd_divergence(student, teacher, beta, mask).sum(-1)
+
+
+def top1_support(top1_ids, top1_log_probs, sampled_ids, sampled_log_probs, beta: float):
+    """The support of the mixed (0 < beta < 1) and reverse (beta = 1) server losses: the teacher's top-1 token and
+    the sampled one (the second slot masked where they coincide), or the sampled token alone at beta = 1. Returns
+    `(ids, teacher log-probs, mask)`, each `(B, T, K)` with K = 2 or 1."""
+    if beta == 1:
+        return sampled_ids[..., None], sampled_log_probs[..., None], torch.ones_like(sampled_ids[..., None]).bool()
+    ids = torch.stack([top1_ids, sampled_ids], dim=-1)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[..., 1] = sampled_ids != top1_ids
+    return ids.masked_fill(~mask, 0), torch.stack([top1_log_probs, sampled_log_probs], dim=-1), mask
+
+
 def _chunk(student_hidden, teacher_hidden, head, teacher_head, beta, temperature, transform, teacher_transform):
     """D and the student's entropy for one chunk of positions. The teacher's logits are computed here (no grad), so
     under `checkpoint` only the chunk's hidden states are saved, never its logits."""

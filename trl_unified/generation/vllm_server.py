@@ -27,71 +27,43 @@ class RequestAborted(RuntimeError):
     """A request stopped by `abort_requests` (its thread is being stopped): never retried."""
 
 
-class VLLMServerEngine(VLLMEngine):
-    """A running OpenAI-compatible vLLM server, reached at `vllm_server_base_url` or `http://host:port`."""
+class ServerConnection:
+    """HTTP to one OpenAI-compatible vLLM server, as every caller needs it: `/health` polled until it answers,
+    requests retried with backoff while the server is unreachable (up to `timeout` seconds, then an error naming the
+    URL, `context()` (where training stands) and the remedy), `recover()` called once it is back (a policy server
+    reloads its last weights), and the request in flight of a thread abortable from another (`abort_requests`)."""
 
-    mode = "server"
-
-    def __init__(self, args, accelerator):
-        super().__init__(args, args.vllm_structured_outputs_regex, engine_generation_kwargs(args))
-        self.accelerator = accelerator
-        self.base_url = (
-            args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        ).rstrip("/")
-        self.weights_dir = os.path.join(os.path.abspath(args.output_dir), "vllm-weights")
-        self.transfer = None  # the NCCL weight-transfer group, opened at the first sync (vllm_weight_transfer="nccl")
+    def __init__(self, base_url: str, timeout: float, context=lambda: "", recover=lambda: None, start_hint: str = ""):
+        self.base_url, self.timeout, self.context, self.recover = base_url.rstrip("/"), timeout, context, recover
+        self.start_hint = start_hint
         # The connection each thread has open (a producer's request can be aborted from the thread stopping it), and
         # the threads whose requests were aborted: their next attempt raises instead of retrying.
         self._connections: dict[threading.Thread, http.client.HTTPConnection] = {}
         self._aborted: set[threading.Thread] = set()
         self._connections_lock = threading.Lock()
-        self._wait_until_up(args.vllm_server_timeout, "start-up")
-        self.served_model = self._request("GET", "/v1/models", phase="start-up")["data"][0]["id"]
-        if accelerator.is_main_process:
-            self._check_logprobs_mode()
 
-    def _check_logprobs_mode(self) -> None:
-        """TRL's warning: log-probs before temperature (vLLM's default) bias the importance-sampling correction."""
-        try:
-            info = self._send("GET", "/server_info?config_format=json", None, 10)
-            mode = str(info["vllm_config"]["model_config"]["logprobs_mode"])
-        except Exception:  # noqa: BLE001 (an older server without /server_info: nothing to check)
-            return
-        if "processed_logprobs" not in mode:
-            logger.warning(
-                f"The vLLM server returns {mode} log-probs; start it with `--logprobs-mode processed_logprobs` so "
-                "that they are taken after temperature, as the trainer's (the importance-sampling correction reads "
-                "them)."
-            )
-
-    # ---------------------------------------------------------------------------------------------------- HTTP
-    def _wait_until_up(self, timeout: float, phase: str) -> None:
+    def wait_until_up(self, timeout: float, phase: str) -> None:
         deadline, delay = time.monotonic() + timeout, 0.5
         while True:
             if self.responsive(timeout=5):
                 return
             if time.monotonic() >= deadline:
-                hint = (
-                    f" Start it first, e.g. `VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --port "
-                    f"{self.args.vllm_server_port} --logprobs-mode processed_logprobs` (docs/vllm.md)."
-                    if phase == "start-up"
-                    else ""
-                )
+                hint = f" {self.start_hint}" if phase == "start-up" and self.start_hint else ""
                 raise ConnectionError(
-                    f"The vLLM server at {self.base_url} did not answer /health within vllm_server_timeout="
-                    f"{timeout}s ({phase}{self.context()}).{hint}"
+                    f"The vLLM server at {self.base_url} did not answer /health within vllm_server_timeout={timeout}s "
+                    f"({phase}{self.context()}).{hint}"
                 )
-            self._check_not_aborted()
+            self.check_not_aborted()
             time.sleep(delay)
             delay = min(2 * delay, 5.0)
 
     def responsive(self, timeout: float) -> bool:
         """`/health` answers 200 within `timeout` seconds."""
         with contextlib.suppress(*_UNREACHABLE):
-            return self._exchange("GET", "/health", None, timeout)[0] == 200
+            return self.exchange("GET", "/health", None, timeout)[0] == 200
         return False
 
-    def _exchange(self, method: str, path: str, body: dict | None, timeout: float) -> tuple[int, str]:
+    def exchange(self, method: str, path: str, body: dict | None, timeout: float) -> tuple[int, str]:
         """`(status, text)` of one HTTP request, on a connection registered for this thread (`abort_requests`)."""
         url = urllib.parse.urlsplit(self.base_url)
         kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
@@ -119,16 +91,16 @@ class VLLMServerEngine(VLLMEngine):
             with contextlib.suppress(OSError):
                 connection.sock.shutdown(socket.SHUT_RDWR)
 
-    def _check_not_aborted(self) -> None:
+    def check_not_aborted(self) -> None:
         thread = threading.current_thread()
         with self._connections_lock:
             if thread in self._aborted:
                 self._aborted.discard(thread)
                 raise RequestAborted(f"The request to the vLLM server at {self.base_url} was aborted (stopping).")
 
-    def _send(self, method: str, path: str, body: dict | None, timeout: float) -> Any:
-        self._check_not_aborted()
-        status, text = self._exchange(method, path, body, timeout)
+    def send(self, method: str, path: str, body: dict | None, timeout: float) -> Any:
+        self.check_not_aborted()
+        status, text = self.exchange(method, path, body, timeout)
         if status >= 400:
             hint = ""
             if status == 404 and path.split("?")[0] in ("/collective_rpc", "/reset_prefix_cache"):
@@ -136,29 +108,80 @@ class VLLMServerEngine(VLLMEngine):
             raise RuntimeError(f"vLLM server {method} {path} failed with HTTP {status}: {text[:500]}.{hint}")
         return json.loads(text) if text else None
 
-    def _request(self, method: str, path: str, body: dict | None = None, timeout=None, phase: str = "") -> Any:
-        """`_send`, retried while the server is unreachable (with backoff, for up to `vllm_server_timeout` seconds);
-        after an interruption the last synced weights are loaded into the server again before the retry."""
-        deadline = time.monotonic() + self.args.vllm_server_timeout
+    def request(self, method: str, path: str, body: dict | None = None, timeout=None, phase: str = "") -> Any:
+        """`send`, retried while the server is unreachable (with backoff, for up to `timeout` seconds); once it
+        answers again, `recover()` runs before the retry."""
+        deadline = time.monotonic() + self.timeout
         while True:
             try:
-                return self._send(method, path, body, timeout or self.args.vllm_server_timeout)
+                return self.send(method, path, body, timeout or self.timeout)
             except _UNREACHABLE as error:
-                self._check_not_aborted()  # a request aborted while it was in flight: raise, do not retry
+                self.check_not_aborted()  # a request aborted while it was in flight: raise, do not retry
                 try:
                     if time.monotonic() >= deadline:
                         raise
                     logger.warning(f"vLLM server at {self.base_url} unreachable ({phase}: {error}); retrying.")
-                    self._wait_until_up(deadline - time.monotonic(), phase)
+                    self.wait_until_up(deadline - time.monotonic(), phase)
                 except _UNREACHABLE as gone:
-                    limit = self.args.vllm_server_timeout
                     raise ConnectionError(
                         f"The vLLM server at {self.base_url} stopped answering {method} {path} ({phase}"
-                        f"{self.context()}) and was not back within vllm_server_timeout={limit}s: {error}. Restart "
-                        "the server, then resume with `trainer.train(resume_from_checkpoint=True)`."
+                        f"{self.context()}) and was not back within vllm_server_timeout={self.timeout}s: {error}. "
+                        "Restart the server, then resume with `trainer.train(resume_from_checkpoint=True)`."
                     ) from gone
             with contextlib.suppress(*_UNREACHABLE):  # gone again: the next attempt waits for it once more
-                self._restore_weights()
+                self.recover()
+
+
+class VLLMServerEngine(VLLMEngine):
+    """A running OpenAI-compatible vLLM server, reached at `vllm_server_base_url` or `http://host:port`."""
+
+    mode = "server"
+
+    def __init__(self, args, accelerator):
+        super().__init__(args, args.vllm_structured_outputs_regex, engine_generation_kwargs(args))
+        self.accelerator = accelerator
+        base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        hint = (
+            f"Start it first, e.g. `VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --port {args.vllm_server_port} "
+            "--logprobs-mode processed_logprobs` (docs/vllm.md)."
+        )
+        self.server = ServerConnection(
+            base_url, args.vllm_server_timeout, lambda: self.context(), self._restore_weights, start_hint=hint
+        )
+        self.base_url = self.server.base_url
+        self.weights_dir = os.path.join(os.path.abspath(args.output_dir), "vllm-weights")
+        self.transfer = None  # the NCCL weight-transfer group, opened at the first sync (vllm_weight_transfer="nccl")
+        self.server.wait_until_up(args.vllm_server_timeout, "start-up")
+        self.served_model = self._request("GET", "/v1/models", phase="start-up")["data"][0]["id"]
+        if accelerator.is_main_process:
+            self._check_logprobs_mode()
+
+    def _check_logprobs_mode(self) -> None:
+        """TRL's warning: log-probs before temperature (vLLM's default) bias the importance-sampling correction."""
+        try:
+            info = self._send("GET", "/server_info?config_format=json", None, 10)
+            mode = str(info["vllm_config"]["model_config"]["logprobs_mode"])
+        except Exception:  # noqa: BLE001 (an older server without /server_info: nothing to check)
+            return
+        if "processed_logprobs" not in mode:
+            logger.warning(
+                f"The vLLM server returns {mode} log-probs; start it with `--logprobs-mode processed_logprobs` so "
+                "that they are taken after temperature, as the trainer's (the importance-sampling correction reads "
+                "them)."
+            )
+
+    # ---------------------------------------------------------------------------------------------------- HTTP
+    def responsive(self, timeout: float) -> bool:
+        return self.server.responsive(timeout)
+
+    def abort_requests(self, thread: threading.Thread) -> None:
+        self.server.abort_requests(thread)
+
+    def _send(self, method: str, path: str, body: dict | None, timeout: float) -> Any:
+        return self.server.send(method, path, body, timeout)
+
+    def _request(self, method: str, path: str, body: dict | None = None, timeout=None, phase: str = "") -> Any:
+        return self.server.request(method, path, body, timeout, phase)
 
     def _restore_weights(self) -> None:
         """After the server was unreachable (it may have restarted from its own checkpoint): load the last synced

@@ -160,3 +160,4 @@ PAPERS: dict[str, dict[str, str]] = {
     },
 }
 PAPERS["gkd"] = PAPERS["distillation"]  # GKD is the distillation paper's algorithm (its on/off-policy mix)
+PAPERS["server distillation"] = PAPERS["distillation"]

@@ -148,12 +148,6 @@ class GKDTrainer(DistillationTrainer):
             self._sync_pad_token(self.model, tokenizer)
         return self._data_collator or ChatMLCollator(tokenizer, self.args.max_length, self.args.chat_template_kwargs)
 
-    def rows_of(self, batch) -> list[dict]:
-        """A collated batch's rows: prompt tokens (what the student continues) and the dataset's completion tokens."""
-        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(batch["prompts"], batch["prompt_attention_mask"])]
-        completions = [labels[labels != -100].tolist() for labels in batch["labels"]]
-        return [{"prompt": p, "completion_ids": c} for p, c in zip(prompts, completions, strict=True)]
-
     def completion_mix(self) -> CompletionMix:
         return CompletionMix(self.args.lmbda, self.args.seq_kd, eval_source="dataset")
 

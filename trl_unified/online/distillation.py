@@ -1,0 +1,324 @@
+r"""The distillation core (DistillationTrainer, GKD, ServerDistillation, IW-OPD, AsyncDistillation): a student pulled
+toward its teachers (`online/teachers.py`: models in this process or vLLM servers, each with a weight w_k) by the
+generalized Jensen-Shannon divergence D_beta of `core/divergence.py`, per completion position
+
+    D(i, t) = sum_k w_k D_beta(student || teacher_k)(i, t)
+
+dense (the whole vocabulary, from both models' final hidden states in chunks) for a teacher in this process, sparse
+(the support a server reports: its top-k, or its top-1 and the sampled token, with a tail bucket) for a teacher on a
+server. A round's completions come from `CompletionMix` (the student's samples, or the dataset's, or a teacher's);
+there is no reward, ratio or reference model. Batches in TRL's keys (`input_ids`, `attention_mask`, `labels`) reach
+the same divergence (`labelled_loss`), as TRL's static API and tests call it.
+"""
+
+import torch
+
+from ..core.divergence import (
+    generalized_jsd_loss,
+    reduce_divergence,
+    sparse_divergence,
+    token_divergence,
+    top1_support,
+)
+from ..core.lm_head import HiddenStateHead
+from ..core.logprobs import position_ids_from_mask
+from ..generation import generate_batched
+from ..generation.fallbacks import report_fallback
+from ..generation.packed_weights import packed_linear_weights
+from ..generation.sharing import PrefixSharingUnsupported, cache_kwarg, common_prefix, common_prefix_cache
+from ..models.loading import get_tokenizer
+from ..models.token_ids import embedding_rows, mask_padding
+from .completions import CompletionMix, SampledCompletions
+from .rollout import RolloutBatch, RolloutPlan, Samples
+from .teachers import Teacher, build_teachers, server_token_logprobs
+from .trainer import OnlineTrainer
+
+
+class DistillationCore(OnlineTrainer):
+    """The online core with teachers instead of rewards (see the module docstring). A trainer passes its teachers'
+    sources as `self._teacher_source` (set before `super().__init__`) and implements `compute_policy_loss`."""
+
+    # TRL 1.10's static loss API (GKDTrainer's too): the loss below goes through `_reduce_divergence_loss`
+    generalized_jsd_loss = staticmethod(generalized_jsd_loss)
+    _reduce_divergence_loss = staticmethod(reduce_divergence)
+
+    def setup(self) -> None:
+        super().setup()
+        student_vocabulary = self.accelerator.unwrap_model(self.model).config.get_text_config().vocab_size
+        self.teachers = self.build_teachers(student_vocabulary)
+        del self._teacher_source
+        self.mix = self.completion_mix()
+
+    def build_teachers(self, student_vocabulary: int) -> list[Teacher]:
+        args = self.args
+        sources = self._teacher_source if self._teacher_source is not None else args.teacher_model_name_or_path
+        urls = args.teacher_model_server_url
+        if sources is None and not urls:
+            raise ValueError(
+                f"{type(self).__name__} needs a teacher: pass teacher_model= (a model or an id / path, or a list of "
+                "them), or set args.teacher_model_name_or_path or args.teacher_model_server_url."
+            )
+        return build_teachers(
+            sources, urls, args.teacher_weights, args, self.accelerator, student_vocabulary, self._where
+        )
+
+    # TRL's attributes: the (first) teacher model in this process, the (first) teacher server's client
+    @property
+    def teacher_model(self):
+        return next((t.model for t in self.teachers if t.model is not None), None)
+
+    @property
+    def teacher_client(self):
+        return next((t.client for t in self.teachers if t.client is not None), None)
+
+    @teacher_client.setter
+    def teacher_client(self, client) -> None:
+        server = next((t for t in self.teachers if t.client is not None), None)
+        if server is None:
+            raise ValueError("This trainer has no teacher server whose client could be replaced.")
+        server.client = client
+
+    loss_top_k = property(lambda self: self.args.loss_top_k)
+    loss_add_tail = property(lambda self: self.args.loss_add_tail)
+
+    # ------------------------------------------------------------------ the rollout: no reward, no ratio
+    def completion_mix(self) -> CompletionMix:
+        """Where each round's completions come from: always the student's samples (on-policy distillation); GKD mixes
+        in the dataset's or the teacher's."""
+        return CompletionMix()
+
+    @property
+    def divergence_temperature(self) -> float:
+        """The temperature both models' logits are divided by in D: the sampling temperature (TRL's
+        DistillationTrainer); GKD's loss reads the models themselves (1.0)."""
+        return self.args.temperature
+
+    def rows_of(self, batch) -> list[dict]:
+        """Rows as the dataset has them, or (a collator of TRL's keys: GKD's, IW-OPD's) each row's prompt tokens (what
+        the student continues) and the dataset's completion tokens."""
+        if isinstance(batch, list):
+            return batch
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(batch["prompts"], batch["prompt_attention_mask"])]
+        completions = [labels[labels != -100].tolist() for labels in batch["labels"]]
+        return [{"prompt": p, "completion_ids": c} for p, c in zip(prompts, completions, strict=True)]
+
+    def sample_completions(self, rows, prompts, images, environments) -> SampledCompletions:
+        source = self.mix.draw(self.mode)
+        if source == "policy":
+            return super().sample_completions(rows, prompts, images, environments)
+        if source == "dataset":
+            return self.given_completions(prompts, [row["completion_ids"] for row in rows], conversational=False)
+        return self.teacher_samples(prompts)
+
+    def teacher_samples(self, prompts) -> SampledCompletions:
+        """The teacher's own completions of `prompts` (sequence-level KD), with the student's sampling settings."""
+        if self.teacher_model is None:
+            raise ValueError("seq_kd needs a teacher model in this process to generate from (not a teacher server).")
+        out = generate_batched(
+            self.teacher_model,
+            self.processing_class,
+            prompts,
+            generation_config=self.make_generation_config(),
+            accelerator=self.accelerator,
+            chat_template_kwargs=self.args.chat_template_kwargs,
+            eos_token_ids=self.eos_token_ids,
+            lean_decoding=self.args.lean_decoding,
+            pad_to_multiple_of=self.args.pad_to_multiple_of,
+        )
+        prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(out.prompt_ids, out.prompt_mask, strict=True)]
+        return self.given_completions(prompt_ids, out.completion_ids_list, conversational=False)
+
+    def rollout_plan(self) -> RolloutPlan:
+        return RolloutPlan(old_logps_train=False, old_logps_eval=False)  # no ratio in the loss: π_old is never read
+
+    def build_rewards(self) -> None:
+        return None  # the teachers' distributions are the signal
+
+    def score_rollout(self, batch: RolloutBatch, samples: Samples, mode: str) -> None:
+        """No rewards and no advantages: the round is only logged."""
+        batch.rewards = torch.zeros(len(batch), device=batch.prompt_ids.device)
+        prompts = samples.prompts
+        if prompts and isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], int):
+            prompts = get_tokenizer(self.processing_class).batch_decode(prompts, skip_special_tokens=True)
+        self.completion_log.add_round(
+            prompts=prompts,
+            completions=samples.completions,
+            images=samples.images,
+            rewards=None,
+            rewards_per_func=None,
+            reward_names=[],
+            advantages=None,
+            log_images=self.args.log_multimodal,
+        )
+
+    # ------------------------------------------------------------------ the divergence
+    def labelled_loss(self, model, inputs, num_items_in_batch=None):
+        """The loss of a batch in TRL's keys (GKD's collator, TRL 1.10's distillation batches): `input_ids`,
+        `attention_mask`, `labels` (-100 off the completion); D at every position whose next token is labelled,
+        summed and divided by `num_items_in_batch` when given, else averaged over those positions."""
+        input_ids, attention_mask, labels = inputs["input_ids"], inputs["attention_mask"], inputs["labels"]
+        mask = (labels[:, 1:] != -100).long()
+        divergence, _ = self.token_divergence(
+            model, input_ids, attention_mask, input_ids.size(1) - 1, mask, labels, inputs.get("prompt_attention_mask")
+        )
+        return self._reduce_divergence_loss(divergence, completion_mask=mask, num_items_in_batch=num_items_in_batch)
+
+    def token_divergence(self, model, input_ids, attention_mask, width: int, mask=None, labels=None, prompt_mask=None):
+        """`(D, student entropy)` `(B, width)` of the last `width` tokens, at `mask`'s positions if given (0
+        elsewhere): the teachers' weighted sum. A server teacher aligns its rows by `labels` (-100 off the
+        completion) and `prompt_mask`."""
+        divergence = entropy = None
+        for teacher in self.teachers:
+            if teacher.model is not None:
+                d, e = self.dense_divergence(model, teacher.model, input_ids, attention_mask, width, mask)
+            else:
+                d, e = self.server_divergence(
+                    model, teacher, input_ids, attention_mask, width, mask, labels, prompt_mask
+                )
+            divergence = teacher.weight * d if divergence is None else divergence + teacher.weight * d
+            entropy = e
+        return divergence, entropy
+
+    def dense_divergence(self, model, teacher_model, input_ids, attention_mask, width: int, mask=None):
+        """D over the whole vocabulary from both models' final hidden states in chunks (a common prompt prefix
+        encoded once where `shared_prefix` allows), else from their logits (ZeRO-3 / FSDP shards, a compiled
+        model); docs/distillation.md."""
+        teacher_model.eval()
+        student = teacher = student_hidden = teacher_hidden = None
+        if self.args.chunked_lm_head:
+            student, teacher = HiddenStateHead.of(model), HiddenStateHead.of(teacher_model)
+        if student is not None and teacher is not None:
+            shared = all(self.uses_shared_prefix(m, "distillation forward") for m in (model, teacher_model))
+            layout = common_prefix(input_ids, attention_mask, input_ids.size(1) - width) if shared else None
+            # The frozen teacher first, its float32 CPU linear weights packed once for the pass (freed before the
+            # student's activations exist): each product would otherwise repack its weight (generation/packed_weights)
+            with torch.no_grad(), packed_linear_weights(teacher.decoder, input_ids.numel()):
+                teacher_hidden = self._hidden(teacher, input_ids, attention_mask, width, layout)
+            student_hidden = self._hidden(student, input_ids, attention_mask, width, layout)
+        if student_hidden is None or teacher_hidden is None:
+            return self._divergence_from_logits(model, teacher_model, input_ids, attention_mask, width)
+        real = None if mask is None or bool(mask.all()) else mask.bool()
+        if real is not None:  # only the positions the loss reads go to the vocabulary
+            student_hidden, teacher_hidden = student_hidden[real][None], teacher_hidden[real][None]
+        linear = (student.linear(), teacher.linear())  # both plain linear heads: the gradient in the forward
+        divergence, entropy = token_divergence(
+            student_hidden,
+            teacher_hidden,
+            student.head,
+            teacher.head,
+            self.args.beta,
+            self.divergence_temperature,
+            student.transform,
+            teacher.transform,
+            linear=None if None in linear else linear,
+        )
+        if real is None:
+            return divergence, entropy
+        return tuple(v.new_zeros(real.shape).masked_scatter(real, v[0]) for v in (divergence, entropy))
+
+    def server_divergence(self, model, teacher: Teacher, input_ids, attention_mask, width, mask, labels, prompt_mask):
+        """D over the support a teacher server reports (`core/divergence.py`, "sparse supports"): its top-k at
+        beta = 0; its top-1 and the sampled token otherwise (the sampled token alone at beta = 1); the student's
+        log-probs over the whole vocabulary at the positions the loss reads."""
+        mask = torch.ones_like(input_ids[:, -width:]) if mask is None else mask
+        if labels is None:  # the completion block, aligned at its first token
+            completion = input_ids[:, -width:].masked_fill(mask == 0, -100)
+            labels = torch.cat([torch.full_like(input_ids[:, :-width], -100), completion], dim=1)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        if prompt_mask is not None:
+            inputs["prompt_attention_mask"] = prompt_mask
+        temperature, start = self.divergence_temperature, input_ids.size(1) - width
+        try:
+            result = server_token_logprobs(teacher.client, inputs, start, self.args.loss_top_k, temperature)
+        except OSError as error:  # unreachable beyond its client's retries (requests' errors are OSErrors too)
+            if "global step" in str(error):  # `TeacherServer` named where training stands already
+                raise
+            raise ConnectionError(
+                f"The teacher server at {teacher.url} could not score the batch{self._where()}: {error}. Restart "
+                "the server, then resume with `trainer.train(resume_from_checkpoint=True)`."
+            ) from error
+        required = mask.bool()
+        keys = ("actual_logprobs", "topk_logprobs", "topk_token_ids")
+        actual, topk, ids = (_fit(result[key], width)[required] for key in keys)
+        tokens = input_ids[:, -width:][required]
+        ids_ = mask_padding(input_ids, attention_mask, embedding_rows(self.accelerator.unwrap_model(model)))
+        logits = model(input_ids=ids_, attention_mask=attention_mask, logits_to_keep=width + 1).logits[:, :-1]
+        student = torch.log_softmax(logits[required].float() / temperature, dim=-1)  # (N, V)
+        beta, add_tail = self.args.beta, self.args.loss_add_tail
+        divergence = teacher_support_divergence(student, tokens, actual, topk, ids, beta, add_tail)
+        with torch.no_grad():
+            entropy = -(student.exp() * student).sum(-1)
+        return tuple(v.new_zeros(required.shape).masked_scatter(required, v) for v in (divergence, entropy))
+
+    def _hidden(self, head: HiddenStateHead, input_ids, attention_mask, width, layout=None):
+        """The final hidden states `(B, width, H)` that predict the last `width` tokens, or None where they do not
+        reproduce the model's logits. With a `common_prefix` layout `(k, order)`, the rows' first `k` tokens are
+        encoded once and the rest of each row runs on that cache (positions counted over real tokens)."""
+        input_ids = mask_padding(input_ids, attention_mask, embedding_rows(head.model))
+        kwargs = {"use_cache": False, **head.keep_one()}
+        if layout is not None:
+            k, order = layout
+            input_ids, attention_mask = input_ids.gather(1, order), attention_mask.gather(1, order)
+            positions = position_ids_from_mask(attention_mask)
+            try:
+                cache = common_prefix_cache(head.model, input_ids, attention_mask, positions, k)
+                kwargs.update({"use_cache": True, "position_ids": positions[:, k:], cache_kwarg(head.model): cache})
+                input_ids = input_ids[:, k:]
+            except PrefixSharingUnsupported as e:
+                report_fallback("distillation forward", str(e))
+        with self.accelerator.autocast(), head.capture():
+            out = head.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        if not head.matches(out.logits):
+            return None
+        return head.hidden[:, -(width + 1) : -1]  # position i predicts completion token i
+
+    def _divergence_from_logits(self, model, teacher_model, input_ids, attention_mask, width):
+        def logits(m):
+            ids = mask_padding(input_ids, attention_mask, embedding_rows(self.accelerator.unwrap_model(m)))
+            return m(input_ids=ids, attention_mask=attention_mask, logits_to_keep=width + 1).logits[:, :-1]
+
+        student_logits = logits(model)
+        with torch.no_grad():
+            teacher_logits = logits(teacher_model)
+        temperature = self.divergence_temperature
+        terms = self.generalized_jsd_loss(
+            student_logits, teacher_logits, beta=self.args.beta, temperature=temperature, reduction="none"
+        )
+        with torch.no_grad():
+            log_probs = torch.log_softmax(student_logits.float() / temperature, dim=-1)
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+        return terms.sum(-1), entropy
+
+
+def _fit(values: torch.Tensor, width: int) -> torch.Tensor:
+    """A teacher tensor `(B, T, ...)` cut or padded (-inf, ids 0) to `width` positions."""
+    if values.size(1) >= width:
+        return values[:, :width]
+    fill = 0 if values.dtype == torch.long else float("-inf")
+    padding = values.new_full((values.size(0), width - values.size(1), *values.shape[2:]), fill)
+    return torch.cat([values, padding], dim=1)
+
+
+def teacher_support_divergence(
+    student_log_probs, sampled_ids, sampled_log_probs, topk_log_probs, topk_ids, beta, add_tail
+):
+    """D at N positions from what a teacher server reports there (TRL's ServerDistillation losses): forward KL on
+    its top-k at beta = 0; otherwise the generalized JSD on its top-1 and the sampled token (`top1_support`).
+    `student_log_probs` `(N, V)`; the sampled token's teacher log-prob `(N,)`; its top-k `(N, K)`."""
+    if beta == 0:
+        return sparse_divergence(
+            student_log_probs, topk_ids, topk_log_probs, topk_log_probs > -torch.inf, 0.0, add_tail
+        )
+    missing = (~torch.isfinite(sampled_log_probs)).sum().item()
+    if missing:
+        raise ValueError(
+            "Teacher server is missing actual-token logprobs for required reverse-KL positions: "
+            f"{missing}/{sampled_log_probs.numel()}."
+        )
+    missing = (~torch.isfinite(topk_log_probs[:, 0])).sum().item() if beta < 1 else 0
+    if missing:
+        raise ValueError(
+            f"Teacher server is missing top-1 logprobs for required forward-KL positions: {missing}/{len(topk_ids)}."
+        )
+    ids, log_probs, mask = top1_support(topk_ids[:, 0], topk_log_probs[:, 0], sampled_ids, sampled_log_probs, beta)
+    return sparse_divergence(student_log_probs, ids, log_probs, mask, beta, add_tail)

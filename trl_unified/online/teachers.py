@@ -1,0 +1,235 @@
+"""The teachers of the distillation trainers, one engine for all of them: a frozen model in this process, or a vLLM
+server that scores the student's sequences (vLLM's prompt log-probs: the teacher's top-k log-probs at every
+completion position, and its log-prob of the token the student sampled), one or several, each with a weight.
+
+A server teacher is reached with TRL's client contract, `get_sequence_logprobs(sequences, prompt_lengths,
+top_logprobs, temperature)`: TRL's own `trl.generation.vllm_client.VLLMClient` where TRL can build one (it needs
+`requests` and vLLM in the training process), else `TeacherServer` (HTTP from the standard library, retries within
+the timeout and errors naming the URL and where training stands, as the generation server's). A server whose
+vocabulary is not the student's is refused before training, with both sizes named.
+"""
+
+import logging
+import math
+import types
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core.reference import prepare_frozen_model
+from ..generation.vllm_server import ServerConnection
+from ..models.loading import load_model
+
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Teacher:
+    """One teacher: a frozen, prepared `model` in this process, or a `client` of a vLLM server at `url`."""
+
+    name: str
+    weight: float
+    model: torch.nn.Module | None = None
+    client: Any = None
+    url: str | None = None
+
+
+def build_teachers(sources, urls, weights, args, accelerator, student_vocab_size: int, context) -> list[Teacher]:
+    """The teachers of a run: each of `sources` (a model, or an id / path loaded with `teacher_model_init_kwargs`)
+    frozen and prepared here, then each server URL of `urls`; `weights` one per teacher in that order (None: equal
+    weights summing to 1). Vocabularies are checked against the student's before training."""
+    sources = list(sources) if isinstance(sources, (list, tuple)) else [sources] if sources is not None else []
+    urls = list(urls) if isinstance(urls, (list, tuple)) else [urls] if urls else []
+    count = len(sources) + len(urls)
+    weights = list(weights) if weights is not None else [1.0 / max(count, 1)] * count
+    if len(weights) != count:
+        raise ValueError(f"teacher_weights has {len(weights)} weights for {count} teachers; give one per teacher.")
+    teachers = []
+    for source, weight in zip(sources, weights, strict=False):
+        model = load_teacher(source, args)
+        vocabulary = model.config.get_text_config().vocab_size
+        if vocabulary != student_vocab_size:
+            raise ValueError(
+                f"The student model has vocab_size {student_vocab_size} but the teacher model has vocab_size "
+                f"{vocabulary}. Distillation compares the teacher's full next-token distribution, which requires a "
+                "shared vocabulary. Use a teacher with the same vocab_size."
+            )
+        name = source if isinstance(source, str) else getattr(model.config, "_name_or_path", "") or "teacher"
+        teachers.append(Teacher(name, weight, model=prepare_frozen_model(model.requires_grad_(False), accelerator)))
+    for url, weight in zip(urls, weights[len(sources) :], strict=True):
+        client = teacher_client(url, args.vllm_server_timeout, context)
+        check_server_vocabulary(url, student_vocab_size)
+        teachers.append(Teacher(url, weight, client=client, url=url))
+    return teachers
+
+
+def load_teacher(source, args) -> torch.nn.Module:
+    """A teacher given as a model, or by id / path (with `teacher_model_init_kwargs` and `teacher_model_revision`)."""
+    if not isinstance(source, str):
+        if args.teacher_model_init_kwargs is not None:
+            raise ValueError(
+                "You passed teacher_model_init_kwargs to the config, but your teacher_model is already instantiated."
+            )
+        return source
+    kwargs = dict(args.teacher_model_init_kwargs or {})
+    if args.teacher_model_revision is not None:
+        kwargs.setdefault("revision", args.teacher_model_revision)
+    loading = types.SimpleNamespace(
+        model_init_kwargs=kwargs, distributed_state=args.distributed_state, trust_remote_code=args.trust_remote_code
+    )
+    return load_model(source, loading, what="teacher model")
+
+
+class TeacherServer:
+    """A vLLM server scoring given sequences (`/v1/completions` with `prompt_logprobs`, one generated token), with
+    `VLLMClient.get_sequence_logprobs`'s arguments and result (TRL 1.16)."""
+
+    def __init__(self, base_url: str, timeout: float = 240.0, context=lambda: ""):
+        hint = f"Start it first, e.g. `vllm serve TEACHER --port {base_url.rsplit(':', 1)[-1].rstrip('/')}`."
+        self.server = ServerConnection(base_url, timeout, context, start_hint=hint)
+        self.base_url = self.server.base_url
+        self.server.wait_until_up(timeout, "teacher start-up")
+        self.model = self.server.request("GET", "/v1/models", phase="teacher start-up")["data"][0]["id"]
+
+    def get_sequence_logprobs(
+        self, sequences, prompt_lengths, top_logprobs=100, temperature=1.0, chunk_size=0, max_concurrent_requests=4
+    ) -> dict[str, list]:
+        """Per sequence, from `prompt_lengths[i]` on: the top `top_logprobs` log-probs sorted by rank and their ids
+        (padded with -inf / 0), and the log-prob of the token at each position (-inf when the server omits it)."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        chunk_size = chunk_size if chunk_size > 0 else len(sequences)
+        starts = range(0, len(sequences), chunk_size)
+        chunks = [(sequences[i : i + chunk_size], prompt_lengths[i : i + chunk_size]) for i in starts]
+
+        def send(chunk):
+            body = {
+                "model": self.model,
+                "prompt": chunk[0],
+                "max_tokens": 1,
+                "temperature": temperature,
+                "prompt_logprobs": top_logprobs,
+            }
+            choices = self.server.request("POST", "/v1/completions", body, phase="teacher scoring")["choices"]
+            choices = sorted(choices, key=lambda choice: choice["index"])
+            return [_format_sequence_logprobs(c, s, p, top_logprobs) for c, s, p in zip(choices, *chunk, strict=True)]
+
+        with ThreadPoolExecutor(max_workers=max(1, min(max_concurrent_requests, len(chunks)))) as pool:
+            results = [result for chunk in pool.map(send, chunks) for result in chunk]
+        return {key: [result[key] for result in results] for key in results[0]} if results else {}
+
+
+def _format_sequence_logprobs(choice: dict, sequence: list[int], prompt_length: int, top_k: int) -> dict:
+    logprobs, token_ids, actual, actual_ids = [], [], [], []
+    for position in range(prompt_length, len(choice["prompt_logprobs"])):
+        entry = choice["prompt_logprobs"][position] or {}
+        items = sorted(entry.items(), key=lambda item: item[1]["rank"])[:top_k]
+        values = [-math.inf if math.isnan(item["logprob"]) else item["logprob"] for _, item in items]
+        logprobs.append(values + [-math.inf] * (top_k - len(values)))
+        token_ids.append([int(token) for token, _ in items] + [0] * (top_k - len(items)))
+        own = entry.get(str(sequence[position]))
+        actual.append([-math.inf if own is None or math.isnan(own["logprob"]) else own["logprob"]])
+        actual_ids.append([sequence[position]])
+    return {
+        "logprobs": logprobs,
+        "logprob_token_ids": token_ids,
+        "actual_logprobs": actual,
+        "actual_token_ids": actual_ids,
+    }
+
+
+def teacher_client(url: str, timeout: float = 60.0, context=lambda: ""):
+    """A client of the teacher server at `url`: TRL's `VLLMClient` where TRL can build one, else `TeacherServer`."""
+    from trl.generation import vllm_client
+
+    try:
+        return vllm_client.VLLMClient(base_url=url, connection_timeout=timeout)
+    except ImportError:  # TRL's client needs requests and vLLM in this process; the standard library suffices
+        return TeacherServer(url, timeout, context)
+
+
+def check_server_vocabulary(url: str, student_vocab_size: int) -> None:
+    """Refuse a teacher server whose vocabulary differs from the student's (before training); warn where the server
+    does not report it (vLLM's `/server_info`)."""
+    served = served_vocab_size(url)
+    if served is None:
+        logger.warning(f"The teacher server at {url} does not report its vocabulary size: it was not checked.")
+    elif served != student_vocab_size:
+        raise ValueError(
+            f"The student model has vocab_size {student_vocab_size} but the teacher server at {url} serves a model "
+            f"with vocab_size {served}. Distillation compares the teacher's next-token distribution over the "
+            "student's vocabulary: serve a teacher with the same vocabulary."
+        )
+
+
+def served_vocab_size(url: str) -> int | None:
+    """The vocabulary size of the model a vLLM server serves (`/server_info`), or None where it does not say."""
+    try:
+        info = ServerConnection(url, timeout=10).send("GET", "/server_info?config_format=json", None, 10)
+        model_config = info["vllm_config"]["model_config"]
+        hf_config = model_config.get("hf_text_config") or model_config.get("hf_config") or {}
+        return int(hf_config["vocab_size"])
+    except Exception:  # noqa: BLE001 (unreachable, an older server, another layout: not checked)
+        return None
+
+
+def build_teacher_request_inputs(input_ids, attention_mask, prompt_attention_mask=None, labels=None):
+    """TRL's helper: each row trimmed by `attention_mask`, its prompt length (from `prompt_attention_mask`, else the
+    row's length minus its labelled tokens) and its completion length, as lists."""
+    if input_ids.shape != attention_mask.shape:
+        raise ValueError(
+            f"input_ids and attention_mask must have the same shape, got {input_ids.shape} and {attention_mask.shape}."
+        )
+    mask = attention_mask.detach().cpu().bool()
+    if prompt_attention_mask is not None:
+        prompt_lengths = prompt_attention_mask.detach().cpu().sum(dim=1)
+    else:
+        if labels is None:
+            raise ValueError("labels are required when prompt_attention_mask is not provided.")
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels must match input_ids shape, got {labels.shape} and {input_ids.shape}.")
+        prompt_lengths = mask.sum(dim=1) - (labels.detach().cpu() != -100).sum(dim=1)
+    sequences, prompts, completions = [], [], []
+    for row, row_mask, length in zip(input_ids.detach().cpu(), mask, prompt_lengths.tolist(), strict=True):
+        kept = row[row_mask].tolist()
+        if not 0 <= length <= len(kept):
+            raise ValueError(f"Invalid prompt length {length} for trimmed sequence of length {len(kept)}.")
+        sequences.append(kept)
+        prompts.append(int(length))
+        completions.append(len(kept) - int(length))
+    return sequences, prompts, completions
+
+
+def server_token_logprobs(client, inputs, aligned_prompt_length: int, top_k: int, temperature: float) -> dict:
+    """TRL's `_get_teacher_token_logprobs_from_server`: the teacher's log-probs of the rows of `inputs`
+    (`input_ids`, `attention_mask`, `labels`, optionally `prompt_attention_mask`), placed in the student's loss
+    coordinates (column 0 = position `aligned_prompt_length`; each row shifted to its first labelled token):
+    `actual_logprobs` `(B, T)`, `topk_logprobs` `(B, T, K)` (-inf where missing), `topk_token_ids` `(B, T, K)`."""
+    input_ids, labels = inputs["input_ids"], inputs.get("labels")
+    sequences, prompt_lengths, completion_lengths = build_teacher_request_inputs(
+        input_ids, inputs["attention_mask"], prompt_attention_mask=inputs.get("prompt_attention_mask"), labels=labels
+    )
+    result = client.get_sequence_logprobs(
+        sequences=sequences, prompt_lengths=prompt_lengths, top_logprobs=top_k, temperature=temperature
+    )
+    if labels is None:
+        raise ValueError("labels are required to align teacher-server logprobs with the student loss tensors.")
+    offsets = [
+        int(torch.nonzero(row != -100)[0].item()) - aligned_prompt_length if length else 0
+        for row, length in zip(labels, completion_lengths, strict=True)
+    ]
+    width = max((o + len(lps) for o, lps in zip(offsets, result["logprobs"], strict=True)), default=0)
+    batch, device = input_ids.size(0), input_ids.device
+    actual = torch.full((batch, width), -math.inf)
+    topk = torch.full((batch, width, top_k), -math.inf)
+    ids = torch.zeros((batch, width, top_k), dtype=torch.long)
+    for i, offset in enumerate(offsets):
+        if result["logprobs"][i]:
+            n = len(result["logprobs"][i])
+            actual[i, offset : offset + n] = torch.tensor(result["actual_logprobs"][i], dtype=torch.float32)[:, 0]
+            topk[i, offset : offset + n] = torch.tensor(result["logprobs"][i], dtype=torch.float32)
+            ids[i, offset : offset + n] = torch.tensor(result["logprob_token_ids"][i], dtype=torch.long)
+    return {"actual_logprobs": actual.to(device), "topk_logprobs": topk.to(device), "topk_token_ids": ids.to(device)}
