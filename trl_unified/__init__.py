@@ -33,6 +33,7 @@ from .trainers.gkd import GKDConfig, GKDTrainer
 from .trainers.gmpo import GMPOConfig, GMPOTrainer
 from .trainers.grm import GRMConfig, GRMTrainer
 from .trainers.grpo import GRPOConfig, GRPOTrainer
+from .trainers.iw_opd import IWOPDConfig, IWOPDTrainer
 from .trainers.kto import KTOConfig, KTOTrainer
 from .trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 from .trainers.orpo import ORPOConfig, ORPOTrainer
@@ -65,6 +66,8 @@ __all__ = [
     "GRPOTrainer",
     "GenerationOptions",
     "GenerationOutput",
+    "IWOPDConfig",
+    "IWOPDTrainer",
     "KTOConfig",
     "OnlineDPOConfig",
     "OnlineDPOTrainer",

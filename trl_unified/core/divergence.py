@@ -132,7 +132,7 @@ def sparse_divergence(student_log_probs, support_ids, teacher_log_probs, support
         mask = support_mask
         student = student - torch.logsumexp(student, dim=-1, keepdim=True)
         teacher = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
-    return masked_jsd_divergence(student, teacher, beta, mask).sum(-1)
+    return masked_jsd_divergence(student, teacher, beta, mask).sum(-1).clamp_min(0.0)  # D >= 0, rounding aside
 
 
 def top1_support(top1_ids, top1_log_probs, sampled_ids, sampled_log_probs, beta: float):
@@ -145,6 +145,59 @@ def top1_support(top1_ids, top1_log_probs, sampled_ids, sampled_log_probs, beta:
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[..., 1] = sampled_ids != top1_ids
     return ids.masked_fill(~mask, 0), torch.stack([top1_log_probs, sampled_log_probs], dim=-1), mask
+
+
+def topk_support(student_logits, teacher_logits, beta: float, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """IW-OPD's support of the local top-k divergence `(ids, mask)` `(..., K')`: the teacher's top-k at beta = 0,
+    the student's at beta = 1, otherwise both (K' = 2k), a token already in the support masked."""
+    if beta == 0:
+        ids = teacher_logits.topk(top_k, dim=-1).indices
+        return ids, torch.ones_like(ids, dtype=torch.bool)
+    if beta == 1:
+        ids = student_logits.topk(top_k, dim=-1).indices
+        return ids, torch.ones_like(ids, dtype=torch.bool)
+    ids = torch.cat([teacher_logits.topk(top_k, dim=-1).indices, student_logits.topk(top_k, dim=-1).indices], dim=-1)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    for i in range(1, ids.size(-1)):
+        mask[..., i] &= ~((ids[..., i : i + 1] == ids[..., :i]) & mask[..., :i]).any(dim=-1)
+    return ids.masked_fill(~mask, 0), mask
+
+
+def topk_generalized_jsd_loss(
+    student_logits,
+    teacher_logits,
+    labels=None,
+    beta=0.5,
+    temperature=1.0,
+    reduction="batchmean",
+    top_k=0,
+    add_tail=True,
+    num_items_in_batch=None,
+):
+    """IW-OPD's `generalized_jsd_loss` (TRL 1.16): `generalized_jsd_loss` on the whole vocabulary (`top_k=0`), or
+    D on the `topk_support` of the logits (with the tail bucket, or renormalised), reduced alike."""
+    if not 0 < top_k < student_logits.size(-1):
+        return generalized_jsd_loss(
+            student_logits, teacher_logits, labels, beta, temperature, reduction, num_items_in_batch
+        )
+    zs, zt = student_logits / temperature, teacher_logits / temperature
+    ids, mask = topk_support(zs, zt, beta, top_k)
+    teacher = F.log_softmax(zt, dim=-1).gather(-1, ids)
+    divergence = sparse_divergence(F.log_softmax(zs, dim=-1), ids, teacher, mask, beta, add_tail)[..., None]
+    return reduce_divergence(
+        divergence, (labels != -100) if labels is not None else None, reduction, num_items_in_batch
+    )
+
+
+def position_weighted_advantages(teacher, rollout, valid, gamma: float, epsilon: float):
+    """IW-OPD's token advantages and their weights `(B, T)` each (Xie et al., 2026, arXiv:2606.22600), both without
+    gradient: a_t = log p_T(y_t) - log p_roll(y_t) on `valid` positions (0 elsewhere), and
+    w_t = 1 + gamma (1 - S_t / Z), S_t = sum_{j<t} |a_j|, Z = max(sum_j |a_j|, epsilon): w in [1, 1 + gamma], larger
+    before much of the row's |a| has accumulated."""
+    advantage = (teacher.masked_fill(~valid, 0.0) - rollout.masked_fill(~valid, 0.0)).detach() * valid
+    magnitude = advantage.abs()
+    spent = (magnitude.cumsum(dim=1) - magnitude) / magnitude.sum(dim=1, keepdim=True).clamp_min(epsilon)
+    return advantage, (1 + gamma * (1 - spent)).detach()
 
 
 def _chunk(student_hidden, teacher_hidden, head, teacher_head, beta, temperature, transform, teacher_transform):

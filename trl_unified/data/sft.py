@@ -135,15 +135,18 @@ class ChatMLCollator:
     Rows: `messages` (the last turn is the completion, the turns before it the prompt; TRL's format), `prompt` +
     `completion` (standard or conversational), or pre-tokenised `input_ids` with a `completion_mask`. A row longer
     than `max_length` (None: the tokenizer's `model_max_length`, at most 1024, as TRL) keeps its last `max_length`
-    tokens, so its prompt loses its start; a row left with no prompt token is an error.
+    tokens, so its prompt loses its start; a row left with no prompt token is an error. With `max_prompt_length`
+    (IW-OPD's collator) the budgets are separate instead: the prompt is cut to `max_prompt_length` tokens (on the
+    tokenizer's `truncation_side`), the completion to what remains of `max_length`, and `messages` rows that end
+    with a user turn are prompts alone (on-policy rounds only).
     """
 
-    def __init__(self, tokenizer, max_length: int | None = None, chat_template_kwargs: dict | None = None):
+    def __init__(self, tokenizer, max_length=None, chat_template_kwargs=None, max_prompt_length: int | None = None):
         self.tokenizer = get_tokenizer(tokenizer)
         if self.tokenizer.pad_token_id is None:
             raise ValueError("The tokenizer does not have a pad token. Please set `pad_token_id` in the tokenizer.")
         self.max_length = max_length if max_length is not None else min(self.tokenizer.model_max_length, 1024)
-        self.chat_template_kwargs = chat_template_kwargs
+        self.chat_template_kwargs, self.max_prompt_length = chat_template_kwargs, max_prompt_length
 
     def split(self, row: dict[str, Any]) -> tuple[list[int], list[int]]:
         """The prompt and completion token ids of one row, truncated to `max_length` from the start."""
@@ -153,11 +156,27 @@ class ChatMLCollator:
                 raise ValueError("A pre-tokenised row needs a `completion_mask` (1 on the completion's tokens).")
             start = list(mask).index(1) if 1 in mask else len(ids)
             prompt_ids, completion_ids = ids[:start], ids[start:]
+        elif self.max_prompt_length is not None and row.get("messages", [{}])[-1].get("role") != "assistant":
+            rendered = self.tokenizer.apply_chat_template(
+                row["messages"],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                **(self.chat_template_kwargs or {}),
+            )
+            prompt_ids, completion_ids = list(rendered["input_ids"]), []
         else:
             prompt, completion = split_prompt_completion(row)
             prompt_ids, completion_ids = tokenize_prompt_completion(
                 self.tokenizer, prompt, completion, self.chat_template_kwargs
             )
+        if self.max_prompt_length is not None:  # separate budgets (IW-OPD's)
+            if len(prompt_ids) > self.max_prompt_length:
+                keep_end = self.tokenizer.truncation_side == "left"
+                prompt_ids = (
+                    prompt_ids[-self.max_prompt_length :] if keep_end else prompt_ids[: self.max_prompt_length]
+                )
+            return prompt_ids, completion_ids[: max(self.max_length - len(prompt_ids), 0)]
         excess = len(prompt_ids) + len(completion_ids) - self.max_length
         if excess > 0:  # keep the end: the prompt's start goes first, then the completion's
             dropped_from_completion = max(excess - len(prompt_ids), 0)

@@ -161,3 +161,13 @@ PAPERS: dict[str, dict[str, str]] = {
 }
 PAPERS["gkd"] = PAPERS["distillation"]  # GKD is the distillation paper's algorithm (its on/off-policy mix)
 PAPERS["server distillation"] = PAPERS["distillation"]
+PAPERS["iw-opd"] = {
+    "title": "On the Position Bias of On-Policy Distillation",
+    "id": "2606.22600",
+    "citation": """@article{xie2026position,
+    title   = {{On the Position Bias of On-Policy Distillation}},
+    author  = {Yan Xie and Sijie Zhu and Tiansheng Wen and Bo Chen and Yifei Wang},
+    year    = 2026,
+    eprint  = {arXiv:2606.22600}
+}""",
+}

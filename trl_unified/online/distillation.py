@@ -11,6 +11,8 @@ there is no reward, ratio or reference model. Batches in TRL's keys (`input_ids`
 the same divergence (`labelled_loss`), as TRL's static API and tests call it.
 """
 
+import functools
+
 import torch
 
 from ..core.divergence import (
@@ -19,6 +21,7 @@ from ..core.divergence import (
     sparse_divergence,
     token_divergence,
     top1_support,
+    topk_support,
 )
 from ..core.lm_head import HiddenStateHead
 from ..core.logprobs import position_ids_from_mask
@@ -169,7 +172,9 @@ class DistillationCore(OnlineTrainer):
         completion) and `prompt_mask`."""
         divergence = entropy = None
         for teacher in self.teachers:
-            if teacher.model is not None:
+            if teacher.model is not None and self.local_support_size:
+                d, e = self.local_support_divergence(model, teacher.model, input_ids, attention_mask, width, mask)
+            elif teacher.model is not None:
                 d, e = self.dense_divergence(model, teacher.model, input_ids, attention_mask, width, mask)
             else:
                 d, e = self.server_divergence(
@@ -178,6 +183,88 @@ class DistillationCore(OnlineTrainer):
             divergence = teacher.weight * d if divergence is None else divergence + teacher.weight * d
             entropy = e
         return divergence, entropy
+
+    local_support_size = 0  # > 0: a teacher in this process is read on a support of that many tokens, as a server's
+
+    def local_support_divergence(self, model, teacher_model, input_ids, attention_mask, width: int, mask=None):
+        """D on a support of a local teacher's distribution (IW-OPD's `loss_top_k`): its top-1 and the sampled token
+        (beta > 0, one token), else `topk_support`; the tail bucket or renormalised, as a server's."""
+        student_logits, teacher_log_probs = self.both_log_probs(model, teacher_model, input_ids, attention_mask, width)
+        student = torch.log_softmax(student_logits.float() / self.divergence_temperature, dim=-1)
+        tokens, beta, k = input_ids[:, -width:], self.args.beta, self.local_support_size
+        if beta > 0 and k == 1:
+            reverse = tokens if self.args.reverse_kl_top_1_mode == "sampled" else student_logits.argmax(-1)
+            top1 = teacher_log_probs.max(-1)
+            sampled = teacher_log_probs.gather(-1, reverse[..., None])[..., 0]
+            ids, teacher, support = top1_support(top1.indices, top1.values, reverse, sampled, beta)
+        else:
+            ids, support = topk_support(student, teacher_log_probs, beta, k)
+            teacher = teacher_log_probs.gather(-1, ids)
+        divergence = sparse_divergence(student, ids, teacher, support, beta, self.args.loss_add_tail)
+        with torch.no_grad():
+            entropy = -(student.exp() * student).sum(-1)
+        return divergence if mask is None else divergence * mask, entropy
+
+    def both_log_probs(self, model, teacher_model, input_ids, attention_mask, width: int):
+        """The student's logits `(B, width, V)` (with grad) and the teacher's log-probs at the divergence's
+        temperature (without), predicting the last `width` tokens."""
+        student = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=width + 1).logits[:, :-1]
+        with torch.no_grad():
+            teacher = teacher_model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=width + 1)
+        return student, torch.log_softmax(teacher.logits[:, :-1].float() / self.divergence_temperature, dim=-1)
+
+    def sampled_token_logprobs(self, model, teacher: Teacher, input_ids, attention_mask, width, labels, prompt_mask):
+        """The student's logits `(B, width, V)` and the teacher's log-prob of each of the last `width` tokens
+        `(B, width)` (-inf where a server omits one), from a teacher in this process or a server."""
+        if teacher.model is not None:
+            logits, teacher_log_probs = self.both_log_probs(model, teacher.model, input_ids, attention_mask, width)
+            return logits, teacher_log_probs.gather(-1, input_ids[:, -width:, None])[..., 0]
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        if prompt_mask is not None:
+            inputs["prompt_attention_mask"] = prompt_mask
+        start, temperature = input_ids.size(1) - width, self.divergence_temperature
+        result = server_token_logprobs(teacher.client, inputs, start, self.args.loss_top_k, temperature)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=width + 1).logits[:, :-1]
+        return logits, fit_to_width(result["actual_logprobs"], width)
+
+    def _get_teacher_token_logprobs_from_server(self, inputs, aligned_prompt_length: int) -> dict:
+        """TRL's method: the teacher's log-probs of `inputs` in the loss's coordinates (`server_token_logprobs`)."""
+        return server_token_logprobs(
+            self.teacher_client, inputs, aligned_prompt_length, self.loss_top_k, self.temperature
+        )
+
+    def _store_completions_in_buffer(
+        self,
+        slices,
+        on_policy_indices,
+        local_slice_indices,
+        local_prompts,
+        completion_ids,
+        logprobs=None,
+        logprob_token_ids=None,
+    ):
+        """TRL's buffer helper (IW-OPD's vLLM path): each on-policy slice rebuilt from its sampled completions in TRL's
+        keys (`batch_in_trl_keys`, completions at `max_new_tokens`), with the sampled tokens' log-probs."""
+        pad, width = self.processing_class.pad_token_id or 0, self.generation_config.max_new_tokens
+        decode = functools.partial(
+            self.processing_class.batch_decode, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        for index in on_policy_indices:
+            rows = [i for i, owner in enumerate(local_slice_indices) if owner == index]
+            sampled = None
+            if logprobs is not None:  # each sampled token's log-prob among those vLLM returned at its step
+                steps = [zip(logprobs[i], logprob_token_ids[i], completion_ids[i], strict=True) for i in rows]
+                sampled = [[values[ids.index(token)] for values, ids, token in row] for row in steps]
+            prompts, completions = [local_prompts[i] for i in rows], [completion_ids[i][:width] for i in rows]
+            batch = batch_in_trl_keys(prompts, completions, pad, width, sampled, self.accelerator.device)
+            self._buffered_inputs[index] = {**slices[index], **batch}
+            self._buffered_text_logs[index] = (decode(prompts), decode(completions))
+
+    def _compute_prompt_length(self, inputs) -> int:
+        """TRL's method: the shortest real prompt of a batch in TRL's keys (where every row's completion has begun)."""
+        if inputs.get("labels") is not None:
+            return int((inputs["attention_mask"].sum(1) - (inputs["labels"] != -100).sum(1)).min().item())
+        return inputs["prompts"].shape[1]
 
     def dense_divergence(self, model, teacher_model, input_ids, attention_mask, width: int, mask=None):
         """D over the whole vocabulary from both models' final hidden states in chunks (a common prompt prefix
@@ -239,7 +326,7 @@ class DistillationCore(OnlineTrainer):
             ) from error
         required = mask.bool()
         keys = ("actual_logprobs", "topk_logprobs", "topk_token_ids")
-        actual, topk, ids = (_fit(result[key], width)[required] for key in keys)
+        actual, topk, ids = (fit_to_width(result[key], width)[required] for key in keys)
         tokens = input_ids[:, -width:][required]
         ids_ = mask_padding(input_ids, attention_mask, embedding_rows(self.accelerator.unwrap_model(model)))
         logits = model(input_ids=ids_, attention_mask=attention_mask, logits_to_keep=width + 1).logits[:, :-1]
@@ -290,7 +377,7 @@ class DistillationCore(OnlineTrainer):
         return terms.sum(-1), entropy
 
 
-def _fit(values: torch.Tensor, width: int) -> torch.Tensor:
+def fit_to_width(values: torch.Tensor, width: int) -> torch.Tensor:
     """A teacher tensor `(B, T, ...)` cut or padded (-inf, ids 0) to `width` positions."""
     if values.size(1) >= width:
         return values[:, :width]
@@ -322,3 +409,34 @@ def teacher_support_divergence(
         )
     ids, log_probs, mask = top1_support(topk_ids[:, 0], topk_log_probs[:, 0], sampled_ids, sampled_log_probs, beta)
     return sparse_divergence(student_log_probs, ids, log_probs, mask, beta, add_tail)
+
+
+def batch_in_trl_keys(prompts, completions, pad_token_id: int, width: int, sampled_logprobs=None, device=None) -> dict:
+    """Rows sampled elsewhere (prompt token tensors, completion id lists) as a batch in TRL's keys: `prompts` /
+    `prompt_attention_mask` left-padded, completions cut or right-padded to `width`, `input_ids`, `attention_mask`,
+    `labels` (-100 off the completions); with each sampled token's log-prob, `rollout_logprobs` at the sequence's
+    width (0 over the prompt and the padding), so that it is sliced as `labels` is."""
+    prompt_width = max(len(p) for p in prompts)
+    prompt_ids = torch.stack(
+        [torch.nn.functional.pad(torch.as_tensor(p), (prompt_width - len(p), 0), value=pad_token_id) for p in prompts]
+    )
+    prompt_mask = torch.stack([(torch.arange(prompt_width) >= prompt_width - len(p)).long() for p in prompts])
+    cut = [list(c)[:width] for c in completions]
+    completion_ids = torch.tensor([c + [pad_token_id] * (width - len(c)) for c in cut])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in cut])
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    labels = input_ids.masked_fill(torch.cat([torch.zeros_like(prompt_mask), completion_mask], dim=1) == 0, -100)
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "labels": labels,
+        "prompts": prompt_ids,
+        "prompt_attention_mask": prompt_mask,
+    }
+    if sampled_logprobs is not None:
+        values = [list(v)[:width] + [0.0] * (width - len(list(v)[:width])) for v in sampled_logprobs]
+        batch["rollout_logprobs"] = torch.nn.functional.pad(
+            torch.tensor(values, dtype=torch.float32), (prompt_width, 0)
+        )
+    return {key: value.to(device) for key, value in batch.items()}

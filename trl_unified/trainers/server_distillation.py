@@ -16,7 +16,6 @@ TRL divides each micro-batch's mean by the accumulation steps: equal when they h
 from dataclasses import dataclass
 
 from ..core.config import document_fields, option
-from ..online.teachers import server_token_logprobs
 from .distillation import DistillationConfig, DistillationTrainer
 
 
@@ -93,9 +92,3 @@ class ServerDistillationTrainer(DistillationTrainer):
         )
 
     reverse_kl_top_1_mode = property(lambda self: self.args.reverse_kl_top_1_mode)
-
-    def _get_teacher_token_logprobs_from_server(self, inputs, aligned_prompt_length: int) -> dict:
-        """TRL's method: the teacher's log-probs of `inputs` in the loss's coordinates (`server_token_logprobs`)."""
-        return server_token_logprobs(
-            self.teacher_client, inputs, aligned_prompt_length, self.loss_top_k, self.temperature
-        )
