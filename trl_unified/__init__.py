@@ -25,6 +25,7 @@ from .online.trainer import OnlineTrainer
 from .preference.data import PairedBatch, PairedCollator, SequenceBatch, UnpairedBatch, UnpairedCollator
 from .preference.trainer import PreferenceConfig, PreferenceTrainer, ReferencePreferenceConfig
 from .trainers.a2po import A2POConfig, A2POTrainer
+from .trainers.async_distillation import AsyncDistillationConfig, AsyncDistillationTrainer
 from .trainers.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from .trainers.cpo import CPOConfig, CPOTrainer
 from .trainers.distillation import DistillationConfig, DistillationTrainer
@@ -46,6 +47,8 @@ from .trainers.tpo import TPOConfig, TPOTrainer
 __all__ = [
     "A2POConfig",
     "A2POTrainer",
+    "AsyncDistillationConfig",
+    "AsyncDistillationTrainer",
     "AsyncGRPOConfig",
     "AsyncGRPOTrainer",
     "AnswerAccuracy",

@@ -160,7 +160,7 @@ PAPERS: dict[str, dict[str, str]] = {
     },
 }
 PAPERS["gkd"] = PAPERS["distillation"]  # GKD is the distillation paper's algorithm (its on/off-policy mix)
-PAPERS["server distillation"] = PAPERS["distillation"]
+PAPERS["server distillation"] = PAPERS["asyncdistillation"] = PAPERS["distillation"]
 PAPERS["iw-opd"] = {
     "title": "On the Position Bias of On-Policy Distillation",
     "id": "2606.22600",

@@ -81,8 +81,11 @@ class DistillationCore(OnlineTrainer):
             raise ValueError("This trainer has no teacher server whose client could be replaced.")
         server.client = client
 
+    # A server teacher's support: the top-k it reports (`loss_top_k`), with the sampled token too at beta = 0 when
+    # `support_includes_sampled` (TRL's asynchronous trainer), and the tail bucket (`loss_add_tail`).
     loss_top_k = property(lambda self: self.args.loss_top_k)
     loss_add_tail = property(lambda self: self.args.loss_add_tail)
+    support_includes_sampled = False
 
     # ------------------------------------------------------------------ the rollout: no reward, no ratio
     def completion_mix(self) -> CompletionMix:
@@ -166,23 +169,37 @@ class DistillationCore(OnlineTrainer):
         )
         return self._reduce_divergence_loss(divergence, completion_mask=mask, num_items_in_batch=num_items_in_batch)
 
-    def token_divergence(self, model, input_ids, attention_mask, width: int, mask=None, labels=None, prompt_mask=None):
+    def token_divergence(
+        self, model, input_ids, attention_mask, width: int, mask=None, labels=None, prompt_mask=None, routing=None
+    ):
         """`(D, student entropy)` `(B, width)` of the last `width` tokens, at `mask`'s positions if given (0
-        elsewhere): the teachers' weighted sum. A server teacher aligns its rows by `labels` (-100 off the
-        completion) and `prompt_mask`."""
+        elsewhere): the teachers' weighted sum, or with `routing` `(B,)` (a teacher index per row: TRL's multi-teacher
+        routing) each row's own teacher's. A server teacher aligns its rows by `labels` (-100 off the completion) and
+        `prompt_mask`."""
         divergence = entropy = None
-        for teacher in self.teachers:
-            if teacher.model is not None and self.local_support_size:
-                d, e = self.local_support_divergence(model, teacher.model, input_ids, attention_mask, width, mask)
-            elif teacher.model is not None:
-                d, e = self.dense_divergence(model, teacher.model, input_ids, attention_mask, width, mask)
-            else:
-                d, e = self.server_divergence(
-                    model, teacher, input_ids, attention_mask, width, mask, labels, prompt_mask
-                )
-            divergence = teacher.weight * d if divergence is None else divergence + teacher.weight * d
-            entropy = e
+        for index, teacher in enumerate(self.teachers):
+            rows = torch.ones(len(input_ids), dtype=torch.bool, device=input_ids.device)
+            if routing is not None:
+                rows = routing == index
+                if not rows.any():
+                    continue
+            part = [t[rows] if t is not None else None for t in (input_ids, attention_mask, mask, labels, prompt_mask)]
+            d, e = self.teacher_divergence(model, teacher, width, *part)
+            weight = teacher.weight if routing is None else 1.0
+            if divergence is None:
+                divergence = torch.zeros(len(input_ids), width, dtype=d.dtype, device=d.device)
+                entropy = torch.zeros_like(divergence)
+            divergence[rows] += weight * d
+            entropy[rows] = e.to(entropy.dtype)
         return divergence, entropy
+
+    def teacher_divergence(self, model, teacher: Teacher, width, input_ids, attention_mask, mask, labels, prompt_mask):
+        """One teacher's `(D, student entropy)`: dense, on a local support, or on a server's."""
+        if teacher.model is not None and self.local_support_size:
+            return self.local_support_divergence(model, teacher.model, input_ids, attention_mask, width, mask)
+        if teacher.model is not None:
+            return self.dense_divergence(model, teacher.model, input_ids, attention_mask, width, mask)
+        return self.server_divergence(model, teacher, input_ids, attention_mask, width, mask, labels, prompt_mask)
 
     local_support_size = 0  # > 0: a teacher in this process is read on a support of that many tokens, as a server's
 
@@ -200,7 +217,7 @@ class DistillationCore(OnlineTrainer):
         else:
             ids, support = topk_support(student, teacher_log_probs, beta, k)
             teacher = teacher_log_probs.gather(-1, ids)
-        divergence = sparse_divergence(student, ids, teacher, support, beta, self.args.loss_add_tail)
+        divergence = sparse_divergence(student, ids, teacher, support, beta, self.loss_add_tail)
         with torch.no_grad():
             entropy = -(student.exp() * student).sum(-1)
         return divergence if mask is None else divergence * mask, entropy
@@ -223,7 +240,7 @@ class DistillationCore(OnlineTrainer):
         if prompt_mask is not None:
             inputs["prompt_attention_mask"] = prompt_mask
         start, temperature = input_ids.size(1) - width, self.divergence_temperature
-        result = server_token_logprobs(teacher.client, inputs, start, self.args.loss_top_k, temperature)
+        result = server_token_logprobs(teacher.client, inputs, start, self.loss_top_k, temperature)
         logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=width + 1).logits[:, :-1]
         return logits, fit_to_width(result["actual_logprobs"], width)
 
@@ -316,7 +333,7 @@ class DistillationCore(OnlineTrainer):
             inputs["prompt_attention_mask"] = prompt_mask
         temperature, start = self.divergence_temperature, input_ids.size(1) - width
         try:
-            result = server_token_logprobs(teacher.client, inputs, start, self.args.loss_top_k, temperature)
+            result = server_token_logprobs(teacher.client, inputs, start, self.loss_top_k, temperature)
         except OSError as error:  # unreachable beyond its client's retries (requests' errors are OSErrors too)
             if "global step" in str(error):  # `TeacherServer` named where training stands already
                 raise
@@ -331,8 +348,9 @@ class DistillationCore(OnlineTrainer):
         ids_ = mask_padding(input_ids, attention_mask, embedding_rows(self.accelerator.unwrap_model(model)))
         logits = model(input_ids=ids_, attention_mask=attention_mask, logits_to_keep=width + 1).logits[:, :-1]
         student = torch.log_softmax(logits[required].float() / temperature, dim=-1)  # (N, V)
-        beta, add_tail = self.args.beta, self.args.loss_add_tail
-        divergence = teacher_support_divergence(student, tokens, actual, topk, ids, beta, add_tail)
+        divergence = teacher_support_divergence(
+            student, tokens, actual, topk, ids, self.args.beta, self.loss_add_tail, self.support_includes_sampled
+        )
         with torch.no_grad():
             entropy = -(student.exp() * student).sum(-1)
         return tuple(v.new_zeros(required.shape).masked_scatter(required, v) for v in (divergence, entropy))
@@ -387,15 +405,19 @@ def fit_to_width(values: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def teacher_support_divergence(
-    student_log_probs, sampled_ids, sampled_log_probs, topk_log_probs, topk_ids, beta, add_tail
+    student_log_probs, sampled_ids, sampled_log_probs, topk_log_probs, topk_ids, beta, add_tail, with_sampled=False
 ):
     """D at N positions from what a teacher server reports there (TRL's ServerDistillation losses): forward KL on
     its top-k at beta = 0; otherwise the generalized JSD on its top-1 and the sampled token (`top1_support`).
     `student_log_probs` `(N, V)`; the sampled token's teacher log-prob `(N,)`; its top-k `(N, K)`."""
     if beta == 0:
-        return sparse_divergence(
-            student_log_probs, topk_ids, topk_log_probs, topk_log_probs > -torch.inf, 0.0, add_tail
-        )
+        ids, log_probs, mask = topk_ids, topk_log_probs, topk_log_probs > -torch.inf
+        if with_sampled:  # the sampled token too, where it is outside the top-k and scored
+            outside = (topk_ids != sampled_ids[:, None]).all(-1) & torch.isfinite(sampled_log_probs)
+            ids = torch.cat([ids, sampled_ids[:, None]], dim=-1)
+            log_probs = torch.cat([log_probs, sampled_log_probs[:, None]], dim=-1)
+            mask = torch.cat([mask, outside[:, None]], dim=-1)
+        return sparse_divergence(student_log_probs, ids, log_probs, mask, 0.0, add_tail)
     missing = (~torch.isfinite(sampled_log_probs)).sum().item()
     if missing:
         raise ValueError(

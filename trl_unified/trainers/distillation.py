@@ -134,6 +134,7 @@ class DistillationTrainer(DistillationCore):
     config_class = DistillationConfig
     batch_class = DistillationBatch
     loss_is_scaled_for_ga = True
+    logs_divergence = False  # True: the per-token mean of D is logged as `jsd` (TRL's asynchronous trainer)
 
     def __init__(
         self,
@@ -181,7 +182,12 @@ class DistillationTrainer(DistillationCore):
         completion = completion_ids.masked_fill(completion_mask == 0, -100)  # a server teacher's alignment
         labels = torch.cat([torch.full_like(prompt_ids, -100), completion], dim=1)
         width = completion_ids.size(1)
-        divergence, entropy = self.token_divergence(model, input_ids, attention_mask, width, mask, labels, prompt_mask)
+        routing = get("teacher_index")  # a teacher per row (TRL's multi-teacher routing), where rows name one
+        divergence, entropy = self.token_divergence(
+            model, input_ids, attention_mask, width, mask, labels, prompt_mask, routing
+        )
         loss = self._reduce_divergence_loss(divergence, completion_mask=mask, num_items_in_batch=num_items_in_batch)
         self.log_metric("entropy", self.masked_global_mean(entropy, mask))
+        if self.logs_divergence:
+            self.log_metric("jsd", self.masked_global_mean(divergence.detach(), mask))
         return loss
