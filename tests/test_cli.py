@@ -28,7 +28,7 @@ def test_env_prints_the_versions(capsys):
 def test_help_lists_every_trainer(capsys):
     assert main([]) == 0
     out = capsys.readouterr().out
-    assert "{rloo,grpo,ppo,dpo,kto,orpo,cpo,tpo,distillation,online_dpo,env}" in out
+    assert "{rloo,grpo,ppo,dpo,kto,orpo,cpo,tpo,distillation,gkd,online_dpo,env}" in out
 
 
 def test_a_bad_flag_is_named(tmp_path):
@@ -75,6 +75,7 @@ TRAINER_ARGS = {
     "tpo": ["--max_steps", "2", "--eval_steps", "1"],
     "ppo": ["--total_episodes", "32"],
     "distillation": ["--max_steps", "2"],
+    "gkd": ["--max_steps", "2"],
 }
 
 

@@ -13,7 +13,7 @@ import platform
 import sys
 
 
-TRAINERS = ("rloo", "grpo", "ppo", "dpo", "kto", "orpo", "cpo", "tpo", "distillation", "online_dpo")
+TRAINERS = ("rloo", "grpo", "ppo", "dpo", "kto", "orpo", "cpo", "tpo", "distillation", "gkd", "online_dpo")
 
 
 def main(argv: list[str] | None = None) -> int:

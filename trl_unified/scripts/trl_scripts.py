@@ -15,12 +15,13 @@ from transformers import TrainerCallback
 
 # command: (TRL's script module, its class prefix, ours). TRL 1.16 ships no online DPO script: `online_dpo` is TRL's
 # GRPO script (prompts, `reward_funcs`, `reward_model_name_or_path`) with the online DPO classes; nor ORPO, CPO or TPO
-# scripts: theirs is TRL's dpo script (preference rows, the same model and dataset flags) with their classes.
+# scripts: theirs is TRL's dpo script (preference rows, the same model and dataset flags) with their classes; nor a GKD
+# script: GKD's is TRL's distillation script (student, teacher and dataset flags) with the GKD classes.
 SCRIPTS = {
     "rloo": ("rloo", "RLOO", "RLOO"), "grpo": ("grpo", "GRPO", "GRPO"), "dpo": ("dpo", "DPO", "DPO"),
     "kto": ("kto", "KTO", "KTO"), "distillation": ("distillation", "Distillation", "Distillation"),
     "online_dpo": ("grpo", "GRPO", "OnlineDPO"), "orpo": ("dpo", "DPO", "ORPO"), "cpo": ("dpo", "DPO", "CPO"),
-    "tpo": ("dpo", "DPO", "TPO"),
+    "tpo": ("dpo", "DPO", "TPO"), "gkd": ("distillation", "Distillation", "GKD"),
 }  # fmt: skip
 
 

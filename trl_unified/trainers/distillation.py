@@ -51,10 +51,10 @@ class DistillationConfig(OnlineConfig):
     teacher_model_name_or_path: str | None = option(None, "Teacher id or path, used when teacher_model is None.")
     teacher_model_revision: str | None = option(None, "Hub revision of the teacher.")
     teacher_model_init_kwargs: dict | str | None = option(None, "from_pretrained kwargs of a teacher given by id.")
-    teacher_model_server_url: str | list[str] | None = option(
+    teacher_model_server_url: str | None = option(
         None,
         "trl_unified addition to DistillationTrainer (ServerDistillation's field): a teacher served by vLLM at this "
-        "URL (or several URLs), scored on the top-k it reports (docs/distillation.md, Teachers).",
+        "URL (a list, or a JSON list, for several), scored on the top-k it reports (docs/distillation.md, Teachers).",
     )
     teacher_weights: list[float] | None = option(
         None, "trl_unified only. One weight per teacher (models first, then servers); None: equal, summing to 1."
