@@ -55,12 +55,14 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--eval_steps", type=int, default=10)
     parser.add_argument("--output_dir", default="outputs/distill")
+    parser.add_argument("--trainer", choices=["distillation", "gkd"], default="distillation")
+    parser.add_argument("--lmbda", type=float, default=0.5, help="GKD: the probability of an on-policy round.")
     args = parser.parse_args(argv)
 
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_unified import DistillationConfig, DistillationTrainer
+    from trl_unified import DistillationConfig, DistillationTrainer, GKDConfig, GKDTrainer
     from trl_unified.pretrained import smollm2_135m_instruct
 
     path = smollm2_135m_instruct()
@@ -68,14 +70,20 @@ def main(argv=None):
     teacher = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     student = build_student(teacher, args.layers)
     train_rows, eval_rows = problems(40)
-    config = DistillationConfig(
+    common = dict(
         output_dir=args.output_dir, per_device_train_batch_size=16, per_device_eval_batch_size=40,
-        max_completion_length=16, learning_rate=1e-4, max_steps=args.max_steps, logging_steps=5,
-        eval_strategy="steps", eval_steps=args.eval_steps, answer_extractor=ANSWER_EXTRACTOR, bf16=False,
-        gradient_checkpointing=False, save_strategy="no", report_to="none", seed=0,
+        learning_rate=1e-4, max_steps=args.max_steps, logging_steps=5, eval_strategy="steps",
+        eval_steps=args.eval_steps, answer_extractor=ANSWER_EXTRACTOR, bf16=False, gradient_checkpointing=False,
+        save_strategy="no", report_to="none", seed=0,
     )  # fmt: skip
-    trainer = DistillationTrainer(student, teacher, args=config, train_dataset=Dataset.from_dict(train_rows),
-                                  eval_dataset=Dataset.from_dict(eval_rows), processing_class=tokenizer)  # fmt: skip
+    if args.trainer == "gkd":  # rows with the gold answer as the assistant turn: GKD's off-policy rounds read it
+        train_rows, eval_rows = (with_messages(rows) for rows in (train_rows, eval_rows))
+        config = GKDConfig(max_new_tokens=16, lmbda=args.lmbda, **common)
+        trainer_class = GKDTrainer
+    else:
+        config, trainer_class = DistillationConfig(max_completion_length=16, **common), DistillationTrainer
+    trainer = trainer_class(student, teacher, args=config, train_dataset=Dataset.from_dict(train_rows),
+                            eval_dataset=Dataset.from_dict(eval_rows), processing_class=tokenizer)  # fmt: skip
     teacher_accuracy = greedy_accuracy(teacher, tokenizer, eval_rows)
     before = trainer.evaluate()
     start = time.perf_counter()
@@ -93,6 +101,13 @@ def main(argv=None):
               f"(teacher {teacher_accuracy:.3f})")  # fmt: skip
         save_curve(history, os.path.join(args.output_dir, "distill_curve.png"))
     return before, after
+
+
+def with_messages(rows: dict) -> dict:
+    """The rows plus GKD's `messages`: the prompt, then the answer as the assistant's turn."""
+    answers = [f"The answer is {answer}." for answer in rows["answer"]]
+    messages = [[*p, {"role": "assistant", "content": a}] for p, a in zip(rows["prompt"], answers, strict=True)]
+    return {**rows, "messages": messages}
 
 
 def greedy_accuracy(model, tokenizer, rows) -> float:

@@ -148,13 +148,17 @@ class IWOPDTrainer(DistillationTrainer):
     def local_support_size(self) -> int:
         return self.args.loss_top_k  # 0: the teacher's whole distribution; TRL's default 1: its top-1 and the sample
 
-    def token_divergence(self, model, input_ids, attention_mask, width, mask=None, labels=None, prompt_mask=None):
+    def token_divergence(
+        self, model, input_ids, attention_mask, width, mask=None, labels=None, prompt_mask=None, routing=None
+    ):
         """`jsd`: the core's D; `iw_opd`: IW-OPD's per-token loss in its place (the callers sum it over the loss's
         tokens and normalise it as the divergence)."""
         if not self.teachers:
             raise ValueError("No teacher model or teacher server configured.")
         if self.args.distillation_objective == "jsd":
-            return super().token_divergence(model, input_ids, attention_mask, width, mask, labels, prompt_mask)
+            return super().token_divergence(
+                model, input_ids, attention_mask, width, mask, labels, prompt_mask, routing
+            )
         logits, teacher = self.sampled_token_logprobs(
             model, self.teachers[0], input_ids, attention_mask, width, labels, prompt_mask
         )
