@@ -15,7 +15,7 @@ class VLLMServerStandIn:
     `server.bodies` their JSON bodies. Completions are `completion` (token ids, log-prob -0.5 each), `n` per prompt.
     With a `teacher` model, a request with `prompt_logprobs` is scored as vLLM does: per prompt position (the first
     None), the top `prompt_logprobs` tokens by rank and the position's own token, log-probs of the model's logits
-    divided by `temperature`; `/server_info` reports the model's vocabulary size."""
+    divided by `temperature`, and prompts with token ids beyond its vocabulary are refused as vLLM does."""
 
     def __init__(self, completion=(7, 8, 9), world_size=1, teacher=None):
         self.completion, self.world_size, self.teacher = list(completion), world_size, teacher
@@ -57,6 +57,10 @@ class VLLMServerStandIn:
             return {"data": [{"id": "stand-in", "max_model_len": 512}]}
         if path == "/get_world_size":
             return {"world_size": self.world_size}
+        if path == "/v1/completions" and self.teacher is not None:  # vLLM's check of the prompt's token ids
+            largest = max(max(ids) for ids in body["prompt"])
+            if largest >= self.teacher.config.vocab_size:
+                return 400, {"error": {"message": f"Token id {largest} is out of vocabulary"}}
         if path == "/v1/completions" and body.get("prompt_logprobs") is not None:
             return {"choices": [self._score(i, ids, body) for i, ids in enumerate(body["prompt"])]}
         if path == "/v1/completions":
@@ -73,14 +77,11 @@ class VLLMServerStandIn:
                     "token_ids": self.completion,
                     "logprobs": {"token_logprobs": [-0.5] * len(self.completion)},
                 }
-                for i in range(body["n"] * len(body["prompt"]))
+                for i in range(body.get("n", 1) * len(body["prompt"]))
             ]
             return {"choices": choices}
         if path.startswith("/server_info"):
-            model_config = {"logprobs_mode": "processed_logprobs"}
-            if self.teacher is not None:
-                model_config["hf_config"] = {"vocab_size": self.teacher.config.vocab_size}
-            return {"vllm_config": {"model_config": model_config}}
+            return {"vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs"}}}
         return {}
 
     def _score(self, index: int, ids: list[int], body: dict) -> dict:
@@ -105,8 +106,9 @@ class VLLMServerStandIn:
                 pass
 
             def _reply(self, body):
+                status, body = body if isinstance(body, tuple) else (200, body)
                 data = json.dumps(body).encode()
-                self.send_response(200)
+                self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()

@@ -50,7 +50,8 @@ def test_the_client_reads_the_teachers_top_k_and_sampled_log_probs(served):
         assert result["logprob_token_ids"][0][j] == expected.indices.tolist()
         torch.testing.assert_close(torch.tensor(result["logprobs"][0][j]), expected.values, atol=1e-5, rtol=0)
         assert result["actual_logprobs"][0][j][0] == pytest.approx(log_probs[position - 1, sequence[position]].item())
-    assert served_vocab_size(server.url) == teacher.config.vocab_size
+    assert served_vocab_size(server.url, 85) == teacher.config.vocab_size == 85  # the guess confirmed
+    assert served_vocab_size(server.url, 40) == served_vocab_size(server.url, 200) == 85  # found by bisection
 
 
 class LocalScorer:

@@ -24,17 +24,20 @@ def local_log_probs(teacher, sequence, temperature=1.0):
     return torch.log_softmax(logits / temperature, dim=-1)  # row p scores the token at p + 1
 
 
-def held_out_kl(student, teacher, batch):
-    """KL(teacher || student) over the whole vocabulary on the completions of `batch`."""
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    width = batch["completion_ids"].size(1)
+def own_completions_kl(trainer, teacher):
+    """KL(teacher || student) over the whole vocabulary on the student's own greedy completions of held-out prompts
+    (where on-policy distillation trains it)."""
+    trainer.model.eval()
+    batch = trainer.rollout([{"prompt": p} for p in prompt_dataset(16)["prompt"]])
+    input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
+    width = batch.completion_ids.size(1)
     with torch.no_grad():
         logits = [
             m(input_ids=input_ids, attention_mask=attention_mask).logits[:, -width - 1 : -1]
-            for m in (student, teacher)
+            for m in (trainer.model, teacher)
         ]
-    labels = batch["completion_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    labels = batch.completion_ids.masked_fill(batch.completion_mask == 0, -100)
     return DistillationTrainer.generalized_jsd_loss(*logits, labels, beta=0.0).item()
 
 
@@ -47,7 +50,7 @@ def test_a_served_teacher_scores_as_the_local_one_and_a_student_learns_from_it(t
     with vllm_server(teacher, tokenizer, tmp_path) as (port, _):
         url = f"http://127.0.0.1:{port}"
         client = TeacherServer(url, timeout=240)
-        assert served_vocab_size(url) == teacher.config.vocab_size
+        assert served_vocab_size(url, 85) == teacher.config.vocab_size == 85
 
         # 1. the top-5 and the sampled token's log-prob, position by position, against the local teacher's
         sequences = [[5, 9, 12, 7, 8, 30, 31], [6, 11, 40, 41]]
@@ -101,6 +104,6 @@ def test_a_served_teacher_scores_as_the_local_one_and_a_student_learns_from_it(t
         trainer = ServerDistillationTrainer(
             copy.deepcopy(student), args=args, train_dataset=prompt_dataset(64), processing_class=tokenizer
         )
-        start = held_out_kl(trainer.model, teacher, batch)
+        start = own_completions_kl(trainer, teacher)
         trainer.train()
-        assert held_out_kl(trainer.model, teacher, batch) < 0.8 * start
+        assert own_completions_kl(trainer, teacher) < 0.8 * start  # 0.49 -> 0.25 against the stand-in

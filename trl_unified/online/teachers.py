@@ -153,8 +153,8 @@ def teacher_client(url: str, timeout: float = 60.0, context=lambda: ""):
 
 def check_server_vocabulary(url: str, student_vocab_size: int) -> None:
     """Refuse a teacher server whose vocabulary differs from the student's (before training); warn where the server
-    does not report it (vLLM's `/server_info`)."""
-    served = served_vocab_size(url)
+    cannot be asked (`served_vocab_size`)."""
+    served = served_vocab_size(url, student_vocab_size)
     if served is None:
         logger.warning(f"The teacher server at {url} does not report its vocabulary size: it was not checked.")
     elif served != student_vocab_size:
@@ -165,15 +165,36 @@ def check_server_vocabulary(url: str, student_vocab_size: int) -> None:
         )
 
 
-def served_vocab_size(url: str) -> int | None:
-    """The vocabulary size of the model a vLLM server serves (`/server_info`), or None where it does not say."""
-    try:
-        info = ServerConnection(url, timeout=10).send("GET", "/server_info?config_format=json", None, 10)
-        model_config = info["vllm_config"]["model_config"]
-        hf_config = model_config.get("hf_text_config") or model_config.get("hf_config") or {}
-        return int(hf_config["vocab_size"])
-    except Exception:  # noqa: BLE001 (unreachable, an older server, another layout: not checked)
+def served_vocab_size(url: str, guess: int) -> int | None:
+    """The vocabulary bound of the model a vLLM server serves, as vLLM enforces it (the smallest token id it refuses
+    as "out of vocabulary": the larger of the model's vocabulary and the tokenizer's ids), found with one-token
+    requests: `guess` and `guess - 1` first (the student's size: two requests when they agree), else by bisection.
+    None where the server answers otherwise (no such check, or unreachable)."""
+    server = ServerConnection(url, timeout=10)
+
+    def accepts(token_id: int) -> bool | None:
+        try:
+            model = server.send("GET", "/v1/models", None, 10)["data"][0]["id"]
+            body = {"model": model, "prompt": [[token_id]], "max_tokens": 1}
+            status, text = server.exchange("POST", "/v1/completions", body, 60)
+        except Exception:  # noqa: BLE001 (unreachable: not checked)
+            return None
+        if status == 200:
+            return True
+        return False if "out of vocabulary" in text else None
+
+    below, at = accepts(guess - 1), accepts(guess)
+    if below is None or at is None:
         return None
+    if below and not at:
+        return guess
+    low, high = (guess, 2 * guess) if at else (0, guess - 1)  # accepts(low), refuses(high) once found
+    while at and accepts(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if accepts(middle) else (low, middle)
+    return high
 
 
 def build_teacher_request_inputs(input_ids, attention_mask, prompt_attention_mask=None, labels=None):
