@@ -98,7 +98,7 @@ def test_a_served_teacher_scores_as_the_local_one_and_a_student_learns_from_it(t
             loss_top_k=16,
             max_steps=30,
             per_device_train_batch_size=8,
-            learning_rate=2e-2,
+            learning_rate=5e-3,
             max_completion_length=8,
         )
         trainer = ServerDistillationTrainer(
