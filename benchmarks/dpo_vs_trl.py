@@ -26,7 +26,6 @@ Usage: python benchmarks/dpo_vs_trl.py [--trainer dpo|kto|orpo|cpo|tpo] [--workl
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,7 @@ def run_one(trainer, impl, model_path, steps, out, precompute, workload, shared_
     import importlib
 
     from datasets import Dataset
-    from step_timer import PhaseTimer, StepTimer
+    from step_timer import PhaseTimer, StepTimer, peak_rss_kib
     from transformers import PreTrainedTokenizerFast
 
     name = trainer.upper()
@@ -97,7 +96,7 @@ def run_one(trainer, impl, model_path, steps, out, precompute, workload, shared_
     if reference is not None:
         phases.watch("reference", reference)
     trainer.train()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_rss_kib() / 1024
     json.dump({"times": timer.times, "phases": phases.phases, "peak_rss_mb": peak}, open(out, "w"))
 
 

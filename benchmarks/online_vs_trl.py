@@ -26,7 +26,6 @@ Usage: python benchmarks/{rloo,grpo}_vs_trl.py [--workload both] [--vocab 8k|rea
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -82,7 +81,7 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
 
     import torch
     from datasets import Dataset
-    from step_timer import PhaseTimer, StepTimer
+    from step_timer import PhaseTimer, StepTimer, peak_rss_kib
     from transformers import PreTrainedTokenizerFast
 
     library = importlib.import_module("trl_unified" if impl == "ours" else TRL_MODULES.get(trainer, "trl"))
@@ -138,7 +137,7 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
             "times": timer.times,
             "phases": phases.phases,
             "mean_completion_length": statistics.mean(lengths) if lengths else 32.0,  # TRL's online DPO: not logged
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mb": peak_rss_kib() / 1024,
             "threads": torch.get_num_threads(),
         },
         open(out, "w"),

@@ -10,7 +10,6 @@ records every optimiser step's gradients, the final parameters and the logs to `
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 
@@ -81,7 +80,9 @@ def main():
         from trl.experimental.ppo import PPOConfig, PPOTrainer
     else:
         from trl_unified import PPOConfig, PPOTrainer
-    imported_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the libraries, before any model
+    from step_timer import peak_rss_kib
+
+    imported_mb = peak_rss_kib() / 1024  # the libraries, before any model
     tokenizer = PreTrainedTokenizerFast.from_pretrained(f"{args.models}/policy", padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(f"{args.models}/policy", dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(f"{args.models}/policy", dtype=torch.float32)
@@ -148,7 +149,7 @@ def main():
     model = trainer.model
     params = {_name(n): p.detach().clone() for n, p in model.named_parameters()}
     logs = trainer.state.log_history
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss = peak_rss_kib() / 1024
     torch.save(
         {
             "grads": grads,

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -83,7 +82,7 @@ def build_trainer(library, trainer: str, path: str, steps: int, seed: int, callb
 
 def run_one(impl: str, trainer_name: str, steps: int, seed: int, out: str) -> None:
     from arithmetic import problems
-    from step_timer import PhaseTimer, StepTimer
+    from step_timer import PhaseTimer, StepTimer, peak_rss_kib
 
     from trl_unified.pretrained import smollm2_135m_instruct
 
@@ -104,7 +103,7 @@ def run_one(impl: str, trainer_name: str, steps: int, seed: int, out: str) -> No
             "phases": phases.phases,
             "accuracy": accuracy,
             "rewards": rewards,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mb": peak_rss_kib() / 1024,
         },
         open(out, "w"),
     )

@@ -13,7 +13,6 @@ Usage: python benchmarks/vllm_generation.py [--steps 6] [--length 32] [--repeats
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,7 @@ def run_one(engine: str, steps: int, length: int, out: str) -> None:
     import torch
     from arithmetic import problems, sum_correct
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_unified import RLOOConfig, RLOOTrainer
     from trl_unified.pretrained import smollm2_135m_instruct
@@ -60,20 +59,12 @@ def run_one(engine: str, steps: int, length: int, out: str) -> None:
 
     trainer.generate = timed_generate
 
-    class Steps(TrainerCallback):
-        def __init__(self):
-            self.times, self.last = [], None
+    from step_timer import StepTimer, peak_rss_kib
 
-        def on_step_begin(self, *a, **k):
-            self.last = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            self.times.append(time.perf_counter() - self.last)
-
-    steps_cb = Steps()
+    steps_cb = StepTimer()
     trainer.add_callback(steps_cb)
     trainer.train()
-    rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+    rss_gb = peak_rss_kib() / 1024**2
     result = {
         "engine": engine, "setup_s": setup, "step_s": statistics.median(steps_cb.times[1:]),
         "round_s": statistics.median(r[0] for r in rounds[1:]),

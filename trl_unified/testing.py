@@ -1,7 +1,9 @@
 """Tiny models (from configs, random weights) and tokenizers (trained with `tokenizers`) built locally, no Hub, for
-tests, examples and benchmarks; `save_tiny_model` writes a directory that loads back with `from_pretrained(path)`."""
+tests, examples and benchmarks; `save_tiny_model` writes a directory that loads back with `from_pretrained(path)`;
+`peak_rss_kib` is the process's peak resident memory as benchmarks and memory tests read it."""
 
 import os
+import resource
 from unittest import mock
 
 import numpy as np
@@ -20,6 +22,23 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant ' }}{% endif %}"
 )
+
+
+def peak_rss_kib() -> int:
+    """This process's peak resident set size in KiB, from `VmHWM` in `/proc/self/status`.
+
+    Not `getrusage(RUSAGE_SELF).ru_maxrss`: Linux keeps that high-water mark across `execve`, and a child started by
+    `subprocess` (vfork + exec) inherits the parent's mark, so a 12 GB pytest worker's children all report 12 GB.
+    `VmHWM` belongs to the address space, which `execve` replaces. Falls back to `ru_maxrss` where /proc is absent."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
 
 SPECIAL_TOKENS = ["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 DEFAULT_WORDS = (

@@ -2,7 +2,6 @@
 toy preference rows and prints the process's peak RSS in KiB (read by tests/trainers/test_reference_free.py)."""
 
 import os
-import resource
 import sys
 
 
@@ -12,7 +11,7 @@ import torch  # noqa: E402
 
 import trl_unified  # noqa: E402
 from trl_unified.scripts.preference import toy_preferences  # noqa: E402
-from trl_unified.testing import build_causal_lm, build_tokenizer  # noqa: E402
+from trl_unified.testing import build_causal_lm, build_tokenizer, peak_rss_kib  # noqa: E402
 
 
 def main(name: str, output_dir: str) -> None:
@@ -27,7 +26,7 @@ def main(name: str, output_dir: str) -> None:
         model, args=args, train_dataset=toy_preferences(16, 0), processing_class=tokenizer
     )
     trainer.train()
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    print(peak_rss_kib())
 
 
 if __name__ == "__main__":
