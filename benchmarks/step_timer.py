@@ -1,6 +1,8 @@
-"""`StepTimer`: the callback every benchmark uses to time optimiser steps (benchmarks/ is on sys.path when a
-benchmark script runs)."""
+"""`StepTimer`: the callback every benchmark uses to time optimiser steps, and `peak_rss_kib`, the process's peak
+memory (benchmarks/ is on sys.path when a benchmark script runs; nothing here imports trl_unified, so that TRL's side
+of a comparison runs without it)."""
 
+import resource
 import time
 
 from transformers import TrainerCallback
@@ -53,3 +55,16 @@ class PhaseTimer(TrainerCallback):
     def on_step_end(self, *args, **kwargs):
         for name, values in self.phases.items():
             values.append(self._current.get(name, 0.0))
+
+
+def peak_rss_kib() -> int:
+    """This process's peak resident set size in KiB, from `VmHWM` (as `trl_unified.testing.peak_rss_kib`, which says
+    why not `ru_maxrss`: a subprocess inherits its parent's high-water mark through vfork + exec)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -40,6 +40,7 @@ from .trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 from .trainers.orpo import ORPOConfig, ORPOTrainer
 from .trainers.ppo import PPOConfig, PPOTrainer
 from .trainers.rloo import RLOOConfig, RLOOTrainer, rloo_advantages
+from .trainers.sdft import SDFTConfig, SDFTTrainer
 from .trainers.server_distillation import ServerDistillationConfig, ServerDistillationTrainer
 from .trainers.tpo import TPOConfig, TPOTrainer
 
@@ -95,6 +96,8 @@ __all__ = [
     "ReferencePreferenceConfig",
     "PolicyTrainerBase",
     "RLOOConfig",
+    "SDFTConfig",
+    "SDFTTrainer",
     "ServerDistillationConfig",
     "ServerDistillationTrainer",
     "RLOOTrainer",

@@ -189,6 +189,59 @@ def topk_generalized_jsd_loss(
     )
 
 
+SELF_DISTILLATION_MODES = ("sampled_token", "full_logits", "topk_logits")
+
+
+def self_distillation_divergence(
+    student_logits, teacher_logits, completion_ids, mode: str, alpha: float, top_k=None, add_tail: bool = False
+) -> torch.Tensor:
+    """The per-token loss `(B, C)` of self-distillation (SDFT, arXiv:2601.19897; SDPO, arXiv:2601.20802) as TRL 1.16
+    computes it, from both models' temperature-scaled logits `(B, C, V)` at the completion positions; D is
+    `jsd_divergence` with beta = `alpha` (0: forward KL, 1: reverse KL):
+
+      - `"full_logits"`: D over the whole vocabulary.
+      - `"topk_logits"`: D over the student's top-`top_k` tokens, both distributions renormalised on them, or with
+        `add_tail` a (K+1)-th bucket holding the rest of each one's mass.
+      - `"sampled_token"`: the REINFORCE estimator of reverse KL's gradient on the sampled token y,
+        sg(log p_S(y) - log p_T(y)) · log p_S(y) (its value is not a divergence; reverse KL only)."""
+    if mode == "sampled_token":
+        if alpha != 1.0:
+            raise ValueError(
+                "Only reverse KL (alpha=1.0) is supported for token-level distillation when "
+                f"`distillation_mode='sampled_token'`, got alpha={alpha}"
+            )
+        student = student_logits.log_softmax(-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+        teacher = teacher_logits.log_softmax(-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+        return (student - teacher).detach() * student
+    student, teacher = student_logits.log_softmax(-1), teacher_logits.log_softmax(-1)
+    if mode == "full_logits":
+        return jsd_divergence(student, teacher, alpha).sum(-1)
+    if mode != "topk_logits":
+        raise ValueError(f"distillation_mode must be one of: {SELF_DISTILLATION_MODES}, got {mode!r}")
+    if top_k is None:
+        raise ValueError("`distillation_mode='topk_logits'` requires `distillation_topk` to be set.")
+    support = student_logits.topk(min(top_k, student_logits.size(-1)), dim=-1).indices  # k > V: all of V
+    return support_divergence(student.gather(-1, support), teacher.gather(-1, support), alpha, add_tail)
+
+
+def support_divergence(student, teacher, alpha: float, add_tail: bool) -> torch.Tensor:
+    """D per position from both models' log-probs `(..., K)` on a support of K tokens: renormalised on it, or with
+    `add_tail` the tail bucket appended to each (TRL's self-distillation top-k term)."""
+    if add_tail:
+        valid = torch.ones_like(student, dtype=torch.bool)
+        student, teacher = add_tail_bucket(student, valid)[0], add_tail_bucket(teacher, valid)[0]
+    else:
+        student = student - torch.logsumexp(student, dim=-1, keepdim=True)
+        teacher = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
+    return jsd_divergence(student, teacher, alpha).sum(-1)
+
+
+def clipped_importance_weights(student_logps, old_logps, clip: float) -> torch.Tensor:
+    """`min(π_θ(y) / π_old(y), clip)` per token, without gradient (the log-ratio clamped to ±20 first): TRL's
+    correction of a self-distillation loss on completions sampled by an older policy."""
+    return torch.exp((student_logps - old_logps).detach().clamp(-20.0, 20.0)).clamp(max=clip)
+
+
 def position_weighted_advantages(teacher, rollout, valid, gamma: float, epsilon: float):
     """IW-OPD's token advantages and their weights `(B, T)` each (Xie et al., 2026, arXiv:2606.22600), both without
     gradient: a_t = log p_T(y_t) - log p_roll(y_t) on `valid` positions (0 elsewhere), and

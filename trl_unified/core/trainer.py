@@ -93,6 +93,7 @@ class PolicyTrainerBase(GenerativeEvalMixin, Trainer):
         processing_class = load_processing_class(processing_class, model, args)
         self._sync_pad_token(model, processing_class)
         model, adapter_is_pretrained = apply_peft(model, peft_config, args)
+        self.adapter_is_pretrained = adapter_is_pretrained  # the policy arrived with a trained PEFT adapter
         check_liger_kernel(model, args)
         if is_peft_model(model) and args.gradient_checkpointing:  # frozen embeddings must pass gradients on
             model.enable_input_require_grads()

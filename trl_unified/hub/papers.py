@@ -148,6 +148,26 @@ PAPERS: dict[str, dict[str, str]] = {
     eprint       = {arXiv:2507.20673}
 }""",
     },
+    "sdft": {
+        "title": "Self-Distillation Enables Continual Learning",
+        "id": "2601.19897",
+        "citation": """@article{shenfeld2026selfdistillation,
+    title        = {{Self-Distillation Enables Continual Learning}},
+    author       = {Idan Shenfeld and Mehul Damani and Jonas H\\"ubotter and Pulkit Agrawal},
+    year         = 2026,
+    eprint       = {arXiv:2601.19897}
+}""",
+    },
+    "sdpo": {
+        "title": "Reinforcement Learning via Self-Distillation",
+        "id": "2601.20802",
+        "citation": """@article{hubotter2026sdpo,
+    title        = {{Reinforcement Learning via Self-Distillation}},
+    author       = {Jonas H\\"ubotter and Frederike L\\"ubeck and Lejs Behric and Anton Baumann and Marco Bagatella and Daniel Marta and Ido Hakimi and Idan Shenfeld and Thomas Kleine Buening and Carlos Guestrin and Andreas Krause},
+    year         = 2026,
+    eprint       = {arXiv:2601.20802}
+}""",
+    },
     "a2po": {
         "title": "Accelerating RL for LLM Reasoning with Optimal Advantage Regression",
         "id": "2505.20686",

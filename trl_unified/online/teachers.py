@@ -7,8 +7,12 @@ top_logprobs, temperature)`: TRL's own `trl.generation.vllm_client.VLLMClient` w
 `requests` and vLLM in the training process), else `TeacherServer` (HTTP from the standard library, retries within
 the timeout and errors naming the URL and where training stands, as the generation server's). A server whose
 vocabulary is not the student's is refused before training, with both sizes named.
+
+`SelfTeacher` is the teacher of self-distillation (SDFT, SDPO): the policy itself, as it started, as it is, or as an
+exponential moving average of its weights.
 """
 
+import contextlib
 import logging
 import math
 import types
@@ -17,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from accelerate.utils import is_peft_model
 
-from ..core.reference import prepare_frozen_model
+from ..core.reference import ReferenceModel, prepare_frozen_model
 from ..generation.vllm_server import ServerConnection
 from ..models.loading import load_model
 
@@ -254,3 +259,141 @@ def server_token_logprobs(client, inputs, aligned_prompt_length: int, top_k: int
             topk[i, offset : offset + n] = torch.tensor(result["logprobs"][i], dtype=torch.float32)
             ids[i, offset : offset + n] = torch.tensor(result["logprob_token_ids"][i], dtype=torch.long)
     return {"actual_logprobs": actual.to(device), "topk_logprobs": topk.to(device), "topk_token_ids": ids.to(device)}
+
+
+TEACHER_ADAPTER = "teacher"
+SELF_TEACHER_KINDS = ("base", "live", "ema")
+
+
+class SelfTeacher:
+    """The policy as its own teacher (SDFT, SDPO): one more teacher kind of the engine above, read on the same
+    sequences with a privileged prompt. Kinds (TRL's `teacher_model_kind`):
+
+      - `"live"`: the policy's current weights (no copy).
+      - `"base"`: the starting policy, frozen (a `ReferenceModel`: the PEFT policy with its adapter disabled, else a
+        frozen copy prepared for DeepSpeed / FSDP).
+      - `"ema"`: an exponential moving average of the policy, θ_T ← (1 - r) θ_T + r θ_S every `sync_steps` optimiser
+        steps (r = `update_rate`), updated in place by `update`: a frozen copy of a full policy, or, for a LoRA policy,
+        a second adapter named "teacher" that starts at zero (the base model) and averages the student adapter's A
+        and B matrices (TRL's `PEFTAdapterEMACallback`).
+
+    Use it only through `use(policy_wrapped)`, under `torch.no_grad()`: it yields the module to run.
+    """
+
+    def __init__(self, kind: str, policy, reference=None, update_rate: float = 0.0, sync_steps: int = 1):
+        self.kind, self.policy, self.reference = kind, policy, reference
+        self.update_rate, self.sync_steps = update_rate, sync_steps
+        self.shadow = None  # the LoRA EMA teacher's adapter weights (PEFT state-dict keys)
+
+    @classmethod
+    def build(cls, kind: str, policy, args, accelerator, adapter_is_pretrained: bool = False) -> "SelfTeacher":
+        """The self-teacher of `kind` for `policy` (unwrapped, before training), prepared on the engine in use."""
+        if kind not in SELF_TEACHER_KINDS:
+            raise ValueError(f"teacher_model_kind={kind!r} is not one of {SELF_TEACHER_KINDS}.")
+        rate, steps = args.teacher_update_rate, args.teacher_sync_steps
+        if kind == "live":
+            return cls(kind, policy)
+        if kind == "ema" and is_peft_model(policy):
+            if not is_pure_lora(policy):
+                raise ValueError(
+                    "`teacher_model_kind='ema'` with a non-pure-LoRA PEFT model is not supported: the EMA teacher "
+                    "of a PEFT policy averages its LoRA adapter, so every trainable parameter must be a LoRA "
+                    "weight. Use teacher_model_kind='base' or 'live', or a LoRA adapter."
+                )
+            teacher = cls(kind, policy, update_rate=rate, sync_steps=steps)
+            teacher._add_teacher_adapter()
+            return teacher
+        if kind == "base" and adapter_is_pretrained:
+            logger.warning(
+                "The provided self-distillation student model already contains a PEFT adapter. With "
+                "teacher_model_kind='base' the teacher is the base model with that adapter disabled."
+            )
+        reference = ReferenceModel.build(policy, None, args, needed=True, adapter_is_pretrained=False)
+        reference.prepare(accelerator)
+        return cls(kind, policy, reference, rate, steps)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """TRL's `trainer.teacher_model`: the separate frozen model, else the policy itself."""
+        return self.reference.model if self.reference is not None and self.reference.kind == "copy" else self.policy
+
+    @contextlib.contextmanager
+    def use(self, policy_wrapped, accelerator):
+        """Yield the module that computes the teacher's logits (the policy in its teacher state, or the copy)."""
+        if self.reference is not None:
+            with self.reference.use(accelerator, policy_wrapped) as model:
+                yield model
+            return
+        if self.kind == "live":
+            yield policy_wrapped
+            return
+        peft_model = accelerator.unwrap_model(policy_wrapped)
+        active = peft_model.active_adapter
+        peft_model.set_adapter(TEACHER_ADAPTER)
+        try:
+            yield policy_wrapped
+        finally:
+            peft_model.set_adapter(active)
+            _freeze_teacher_adapter(peft_model)
+
+    @torch.no_grad()
+    def update(self, policy, global_step: int) -> None:
+        """One EMA step after optimiser step `global_step` (every `sync_steps`; nothing for "base" and "live")."""
+        if self.kind != "ema" or global_step % self.sync_steps != 0:
+            return
+        if self.reference is not None:
+            from trl import SyncRefModelCallback  # ZeRO-3: gathers the partitioned parameters
+
+            SyncRefModelCallback.sync_target_model(policy, self.reference.model, self.update_rate)
+            return
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        student = get_peft_model_state_dict(policy)
+        for key, value in student.items():
+            self.shadow[key].mul_(1 - self.update_rate).add_(value.detach(), alpha=self.update_rate)
+        set_peft_model_state_dict(policy, self.shadow, adapter_name=TEACHER_ADAPTER)
+        _freeze_teacher_adapter(policy)
+
+    def _add_teacher_adapter(self) -> None:
+        """The LoRA EMA teacher's adapter "teacher", zero-initialised (the base model), frozen, and its shadow."""
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        policy, active = self.policy, self.policy.active_adapter
+        self.shadow = {k: torch.zeros_like(v) for k, v in get_peft_model_state_dict(policy).items()}
+        policy.add_adapter(TEACHER_ADAPTER, policy.peft_config[active])
+        set_peft_model_state_dict(policy, self.shadow, adapter_name=TEACHER_ADAPTER)
+        policy.set_adapter(active)
+        _freeze_teacher_adapter(policy)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The EMA teacher's weights, saved with checkpoints (nothing for "base" and "live")."""
+        if self.kind != "ema":
+            return {}
+        if self.reference is not None:
+            return {"weights": {k: v.detach().cpu() for k, v in self.reference.model.state_dict().items()}}
+        return {"shadow": {k: v.detach().cpu() for k, v in self.shadow.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "weights" in state:
+            self.reference.model.load_state_dict(state["weights"])
+        elif "shadow" in state:
+            from peft import set_peft_model_state_dict
+
+            for key, value in state["shadow"].items():
+                self.shadow[key].copy_(value)
+            set_peft_model_state_dict(self.policy, self.shadow, adapter_name=TEACHER_ADAPTER)
+            _freeze_teacher_adapter(self.policy)
+
+
+def is_pure_lora(model) -> bool:
+    """TRL's `is_pure_lora_training`: the active adapter is LoRA and every trainable parameter a LoRA weight."""
+    config = model.peft_config.get(model.active_adapter or "default")
+    if config is None or str(config.peft_type).split(".")[-1] != "LORA":
+        return False
+    return all("lora_" in name for name, param in model.named_parameters() if param.requires_grad)
+
+
+def _freeze_teacher_adapter(model) -> None:
+    for name, param in model.named_parameters():
+        if f".{TEACHER_ADAPTER}." in name:
+            param.requires_grad_(False)

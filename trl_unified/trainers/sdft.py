@@ -1,0 +1,147 @@
+r"""Self-Distillation Fine-Tuning (SDFT), Shenfeld et al., 2026, "Self-Distillation Enables Continual Learning"
+(arXiv:2601.19897): a drop-in for TRL 1.16's `trl.experimental.sdft.SDFTTrainer` on the self-distillation core
+(`online/self_distillation.py`, which states the loss).
+
+Each dataset row holds a `prompt` x and a `privileged_context` c (a demonstration or a hint: text, messages, or
+anything `str()` renders). The student samples y ~ π_θ(·|x) (with `generate_from_teacher`, from the teacher's prompt
+instead); the teacher, the policy as it started (`teacher_model_kind="base"`, default), is read on
+`teacher_prompt_template.format(prompt=x, privileged_context=c)` followed by the same y, and the student learns its
+next-token distribution there: by default D = the Jensen-Shannon divergence (α = 0.5) over the student's top-100
+tokens, the first `num_loss_tokens_to_skip` completion tokens left out. No rewards.
+"""
+
+from dataclasses import dataclass
+
+from datasets import IterableDataset
+
+from ..core.config import document_fields, option
+from ..online.rollout import RolloutPlan
+from ..online.self_distillation import SelfDistillationConfig, SelfDistillationCore
+
+
+@document_fields
+@dataclass
+class SDFTConfig(SelfDistillationConfig):
+    """Configuration of `SDFTTrainer`: every field of `trl.experimental.sdft.SDFTConfig` 1.16, same names and
+    defaults; the sampling, vLLM and logging fields are the online core's."""
+
+    _inapplicable_fields = (
+        "beta", "epsilon", "epsilon_high", "reward_weights", "mask_truncated_completions", "async_rollouts",
+    )  # fmt: skip
+    _inapplicable_reason = "SDFT (no rewards, ratio or clipping; rollouts are synchronous)"
+
+    generate_from_teacher: bool = option(False, "Sample completions from the teacher's prompt (no π_old then).")
+    teacher_prompt_template: str = option(
+        "{prompt}\n\n{privileged_context}", "The teacher's prompt, from the row's prompt and privileged_context."
+    )
+    num_loss_tokens_to_skip: int = option(0, "Leading completion tokens left out of the distillation loss.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if (
+            "{prompt}" not in self.teacher_prompt_template
+            or "{privileged_context}" not in self.teacher_prompt_template
+        ):
+            raise ValueError(
+                "teacher_prompt_template must contain both `{prompt}` and `{privileged_context}` placeholders"
+            )
+
+
+class SDFTTrainer(SelfDistillationCore):
+    """SDFT (see the module docstring). TRL 1.16's constructor."""
+
+    _name = "SDFT"
+    config_class = SDFTConfig
+
+    def __init__(
+        self,
+        model,
+        args=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+    ):
+        if isinstance(train_dataset, IterableDataset):
+            raise NotImplementedError("Iterable datasets are not yet supported in SDFTTrainer.")
+        evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+        if any(isinstance(d, IterableDataset) for d in evals):
+            raise NotImplementedError("Iterable eval datasets are not yet supported in SDFTTrainer.")
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required")
+        super().__init__(
+            model,
+            None,
+            args,
+            train_dataset,
+            eval_dataset,
+            processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+        )
+
+    num_loss_tokens_to_skip = property(lambda self: self.args.num_loss_tokens_to_skip)
+    generate_from_teacher = property(lambda self: self.args.generate_from_teacher)
+
+    def build_rewards(self) -> None:
+        return None  # the teacher's distribution is the signal
+
+    def rollout_plan(self) -> RolloutPlan:
+        """TRL's rule for π_old (the importance weight's denominator), except when the teacher's prompt sampled: the
+        student's π_old of those tokens is not what sampled them, so none (TRL's)."""
+        plan = RolloutPlan.trl(self.args)
+        return RolloutPlan(plan.old_logps_train and not self.args.generate_from_teacher, False)
+
+    def generation_prompts(self, rows, prompts) -> list:
+        return self.compose_teacher_prompts(rows, prompts) if self.args.generate_from_teacher else prompts
+
+    def teacher_prompts(self, batch, samples, mode) -> list:
+        return self.compose_teacher_prompts(samples.rows, samples.prompts)
+
+    def compose_teacher_prompts(self, rows, prompts) -> list:
+        """TRL's `DemonstrationTeacherContextBuilder`: the template filled with the prompt (a conversation's last user
+        turn, the other turns kept) and the row's privileged context as text."""
+        template = self.args.teacher_prompt_template
+        teacher_prompts = []
+        for row, prompt in zip(rows, prompts, strict=True):
+            context = privileged_text(row.get("privileged_context"))
+            if isinstance(prompt, list):
+                text = template.format(prompt=last_user_text(prompt), privileged_context=context)
+                teacher_prompts.append([*prompt[:-1], {"role": "user", "content": text}])
+            else:
+                teacher_prompts.append(template.format(prompt=prompt, privileged_context=context))
+        return teacher_prompts
+
+
+def privileged_text(context) -> str:
+    """A row's privileged context as text: a string as it is, messages as their non-empty text contents joined by
+    newlines, anything else `str()`; None raises."""
+    if context is None:
+        raise ValueError("`privileged_context` must not be None for self-distillation teacher prompt construction.")
+    if isinstance(context, str):
+        return context
+    if isinstance(context, list) and context and isinstance(context[0], dict):
+        texts = [message_text(message.get("content", "")) for message in context]
+        return "\n".join(text for text in texts if text)
+    return str(context)
+
+
+def message_text(content) -> str:
+    """A message's content as text (a list of parts: its text parts joined by spaces)."""
+    if isinstance(content, list):
+        return " ".join(part.get("text", "") for part in content if part.get("type") == "text")
+    return str(content)
+
+
+def last_user_text(conversation: list) -> str:
+    """The text of a conversation's last turn, which must be the user's."""
+    last = conversation[-1]
+    if last.get("role") != "user":
+        raise ValueError(
+            "Self-distillation teacher prompt construction expects the conversation to end with a user turn, but "
+            f"the last message has role {last.get('role')!r}. End each prompt with the user's question."
+        )
+    return message_text(last.get("content", ""))
