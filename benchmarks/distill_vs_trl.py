@@ -7,16 +7,20 @@ generation), so that both libraries do the same rounds.
 
 `--teacher server` compares ours with itself: the teacher in the training process against the teacher on a server (a
 separate process answering vLLM's prompt log-probs, `tests/jobs/vllm_server_stand_in.py`, top-16 with the tail):
-the student process's peak RSS and step time.
+`--teacher_depth k` makes the teacher larger (each of its layers k times) in both arms. Printed: the student process's
+peak RSS while training (the high-water mark is reset once the models are built: the student is
+cut from the teacher, so both arms load the teacher once) and step time.
 
 Each run trains in its own fresh subprocess (peak RSS is its own), `--repeats` times alternating. Printed per run kind:
 median seconds per step (first step excluded) and peak RSS, then `ratio step_time=X peak_rss=Y` (first / second).
 
 Usage: python benchmarks/distill_vs_trl.py [--trainer distillation|gkd] [--lmbda 1] [--teacher local|server]
+       [--teacher_depth 1]
        [--steps 8] [--repeats 1] [--threads 2] [--layers 24]
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -29,7 +33,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_one(library: str, steps: int, out: str, layers: int = 24, trainer_name="distillation", lmbda=1.0, url=None):
+def run_one(library, steps, out, layers=24, trainer_name="distillation", lmbda=1.0, url=None, teacher_depth=1):
     sys.path.insert(0, os.path.join(HERE, "..", "examples"))
     import torch
     from arithmetic import problems
@@ -65,13 +69,19 @@ def run_one(library: str, steps: int, out: str, layers: int = 24, trainer_name="
         train = {"messages": with_messages(train)["messages"]}  # TRL reads a `prompt` column as rendered text
     else:
         config = Config(max_completion_length=16, **common)
+    teacher_arm = url  # the --teacher server comparison: "in-process" or the server's URL; else None
     if url == "in-process":  # the server comparison's baseline: the same loss (forward KL), the teacher here
         config, url = Config(max_completion_length=16, beta=0.0, **common), None
+        teacher = deepened(teacher, teacher_depth)
     elif url is not None:  # the teacher on a server: this process holds the student only
         config = Config(max_completion_length=16, teacher_model_server_url=url, beta=0.0, loss_top_k=16, **common)
         del teacher
+        gc.collect()
 
-    from step_timer import StepTimer, peak_rss_kib
+    from step_timer import StepTimer, peak_rss_kib, reset_peak_rss
+
+    if teacher_arm is not None:  # the student is cut from the teacher: count training's peak, not the build's
+        reset_peak_rss()
 
     timer = StepTimer()
     teacher_model = None if url is not None else teacher
@@ -84,7 +94,25 @@ def run_one(library: str, steps: int, out: str, layers: int = 24, trainer_name="
         json.dump(result, f)
 
 
-def serve_teacher(port_file: str) -> None:
+def deepened(teacher, depth: int):
+    """`teacher` with each decoder layer repeated `depth` times (copies): a larger model of the same vocabulary, for
+    the memory comparison (its outputs are not a trained model's)."""
+    if depth > 1:
+        import copy
+
+        import torch
+
+        layers = [copy.deepcopy(layer) for layer in teacher.model.layers for _ in range(depth)]
+        for index, layer in enumerate(layers):
+            layer.self_attn.layer_idx = index
+        teacher.model.layers = torch.nn.ModuleList(layers)
+        teacher.config.num_hidden_layers = len(layers)
+        if getattr(teacher.config, "layer_types", None):
+            teacher.config.layer_types = [teacher.config.layer_types[0]] * len(layers)
+    return teacher
+
+
+def serve_teacher(port_file: str, depth: int = 1) -> None:
     """The teacher (SmolLM2-135M-Instruct) behind vLLM's prompt log-probs API, in this process, until killed."""
     sys.path.insert(0, os.path.join(HERE, ".."))
     import torch
@@ -94,7 +122,7 @@ def serve_teacher(port_file: str) -> None:
     from trl_unified.pretrained import smollm2_135m_instruct
 
     teacher = AutoModelForCausalLM.from_pretrained(smollm2_135m_instruct(use_hub=False), dtype=torch.float32)
-    server = VLLMServerStandIn(teacher=teacher.eval())
+    server = VLLMServerStandIn(teacher=deepened(teacher, depth).eval())
     with open(port_file, "w") as f:
         f.write(server.url)
     while True:
@@ -110,25 +138,29 @@ def main():
     parser.add_argument("--trainer", choices=["distillation", "gkd"], default="distillation")
     parser.add_argument("--lmbda", type=float, default=1.0, help="GKD: 1 every step on-policy, 0 never.")
     parser.add_argument("--teacher", choices=["local", "server"], default="local")
+    parser.add_argument("--teacher_depth", type=int, default=1, help="--teacher server: each teacher layer k times.")
     parser.add_argument("--_one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_url", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_serve", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._serve:
-        return serve_teacher(args._serve)
+        return serve_teacher(args._serve, args.teacher_depth)
     if args._one:
-        return run_one(args._one, args.steps, args._out, args.layers, args.trainer, args.lmbda, args._url)
+        return run_one(
+            args._one, args.steps, args._out, args.layers, args.trainer, args.lmbda, args._url, args.teacher_depth
+        )
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "0"}
     server, url = None, None
     kinds = {"trl_unified": None, "trl": None}
     if args.teacher == "server":  # ours with the teacher in-process, then on a server
         port_file = tempfile.mktemp()
-        server = subprocess.Popen([sys.executable, __file__, "--_serve", port_file], env=env)
+        serve = [sys.executable, __file__, "--_serve", port_file, "--teacher_depth", str(args.teacher_depth)]
+        server = subprocess.Popen(serve, env=env)
         while not os.path.exists(port_file) or not open(port_file).read():
             time.sleep(1)
         url = open(port_file).read()
-        kinds = {"teacher in process": "in-process", "teacher on a server": url}
+        kinds = {"teacher on a server": url, "teacher in process": "in-process"}  # ratio: server / in-process
     results = {kind: [] for kind in kinds}
     try:
         for _ in range(args.repeats):
@@ -137,6 +169,7 @@ def main():
                 library = "trl" if kind == "trl" else "trl_unified"
                 cmd = [sys.executable, __file__, "--_one", library, "--_out", out, "--steps", str(args.steps)]
                 cmd += ["--layers", str(args.layers), "--trainer", args.trainer, "--lmbda", str(args.lmbda)]
+                cmd += ["--teacher_depth", str(args.teacher_depth)]
                 cmd += ["--_url", kind_url] if kind_url else []
                 subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 results[kind].append(json.load(open(out)))

@@ -68,3 +68,10 @@ def peak_rss_kib() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def reset_peak_rss() -> None:
+    """Start `peak_rss_kib` over from the current resident size (Linux: "5" to /proc/self/clear_refs), to measure
+    a phase's peak, e.g. training after the models were built."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")

@@ -41,6 +41,7 @@ from .trainers.orpo import ORPOConfig, ORPOTrainer
 from .trainers.ppo import PPOConfig, PPOTrainer
 from .trainers.rloo import RLOOConfig, RLOOTrainer, rloo_advantages
 from .trainers.sdft import SDFTConfig, SDFTTrainer
+from .trainers.sdpo import SDPOConfig, SDPOTrainer
 from .trainers.server_distillation import ServerDistillationConfig, ServerDistillationTrainer
 from .trainers.tpo import TPOConfig, TPOTrainer
 
@@ -98,6 +99,8 @@ __all__ = [
     "RLOOConfig",
     "SDFTConfig",
     "SDFTTrainer",
+    "SDPOConfig",
+    "SDPOTrainer",
     "ServerDistillationConfig",
     "ServerDistillationTrainer",
     "RLOOTrainer",

@@ -29,7 +29,6 @@ from ..generation import generate_batched
 from ..generation.fallbacks import report_fallback
 from ..generation.packed_weights import packed_linear_weights
 from ..generation.sharing import PrefixSharingUnsupported, cache_kwarg, common_prefix, common_prefix_cache
-from ..models.loading import get_tokenizer
 from ..models.token_ids import embedding_rows, mask_padding
 from .completions import CompletionMix, SampledCompletions
 from .rollout import RolloutBatch, RolloutPlan, Samples
@@ -142,20 +141,7 @@ class DistillationCore(OnlineTrainer):
 
     def score_rollout(self, batch: RolloutBatch, samples: Samples, mode: str) -> None:
         """No rewards and no advantages: the round is only logged."""
-        batch.rewards = torch.zeros(len(batch), device=batch.prompt_ids.device)
-        prompts = samples.prompts
-        if prompts and isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], int):
-            prompts = get_tokenizer(self.processing_class).batch_decode(prompts, skip_special_tokens=True)
-        self.completion_log.add_round(
-            prompts=prompts,
-            completions=samples.completions,
-            images=samples.images,
-            rewards=None,
-            rewards_per_func=None,
-            reward_names=[],
-            advantages=None,
-            log_images=self.args.log_multimodal,
-        )
+        self.log_unscored_round(batch, samples)
 
     # ------------------------------------------------------------------ the divergence
     def labelled_loss(self, model, inputs, num_items_in_batch=None):

@@ -183,11 +183,12 @@ class SelfDistillationCore(OnlineTrainer):
 
     def score_rollout(self, batch: SelfDistillationBatch, samples: Samples, mode: str) -> None:
         """Rewards and advantages where the trainer has reward functions (SDPO), then the teacher's inputs and TRL's
-        events (`on_generation_batch_built` once per training round)."""
+        events (`on_teacher_context_built`, `on_self_distillation_batch_prepared`, and `on_generation_batch_built`
+        once per training round)."""
         if self.rewards is not None:
             super().score_rollout(batch, samples, mode)
         else:
-            batch.rewards = torch.zeros(len(batch), device=batch.prompt_ids.device)
+            self.log_unscored_round(batch, samples)
         teacher_prompts = self.teacher_prompts(batch, samples, mode)
         self.attach_teacher_inputs(batch, teacher_prompts)
         payload = dict(
@@ -199,6 +200,13 @@ class SelfDistillationCore(OnlineTrainer):
         )
         if batch.self_distillation_mask is not None:
             payload["self_distillation_mask"] = batch.self_distillation_mask
+        self.dispatch_event(
+            "on_teacher_context_built",
+            teacher_input_ids=batch.teacher_input_ids,
+            teacher_attention_mask=batch.teacher_attention_mask,
+            completion_mask=batch.completion_mask,
+            self_distillation_mask=batch.self_distillation_mask,
+        )
         self.dispatch_event("on_self_distillation_batch_prepared", **payload)
         if mode == "train":
             every = self.args.steps_per_generation * self.args.num_iterations
@@ -352,3 +360,34 @@ class SelfDistillationCore(OnlineTrainer):
     def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
         if state.get("self_teacher"):
             self.self_teacher.load_state_dict(state["self_teacher"])
+
+
+def privileged_text(context) -> str:
+    """A row's privileged context as text: a string as it is, messages as their non-empty text contents joined by
+    newlines, anything else `str()`; None raises."""
+    if context is None:
+        raise ValueError("`privileged_context` must not be None for self-distillation teacher prompt construction.")
+    if isinstance(context, str):
+        return context
+    if isinstance(context, list) and context and isinstance(context[0], dict):
+        texts = [message_text(message.get("content", "")) for message in context]
+        return "\n".join(text for text in texts if text)
+    return str(context)
+
+
+def message_text(content) -> str:
+    """A message's content as text (a list of parts: its text parts joined by spaces)."""
+    if isinstance(content, list):
+        return " ".join(part.get("text", "") for part in content if part.get("type") == "text")
+    return str(content)
+
+
+def last_user_text(conversation: list) -> str:
+    """The text of a conversation's last turn, which must be the user's."""
+    last = conversation[-1]
+    if last.get("role") != "user":
+        raise ValueError(
+            "Self-distillation teacher prompt construction expects the conversation to end with a user turn, but "
+            f"the last message has role {last.get('role')!r}. End each prompt with the user's question."
+        )
+    return message_text(last.get("content", ""))

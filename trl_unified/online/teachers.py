@@ -284,6 +284,7 @@ class SelfTeacher:
         self.kind, self.policy, self.reference = kind, policy, reference
         self.update_rate, self.sync_steps = update_rate, sync_steps
         self.shadow = None  # the LoRA EMA teacher's adapter weights (PEFT state-dict keys)
+        self.student_adapter = None  # the LoRA EMA teacher: the policy's own adapter, which it averages
 
     @classmethod
     def build(cls, kind: str, policy, args, accelerator, adapter_is_pretrained: bool = False) -> "SelfTeacher":
@@ -348,7 +349,7 @@ class SelfTeacher:
             return
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-        student = get_peft_model_state_dict(policy)
+        student = get_peft_model_state_dict(policy, adapter_name=self.student_adapter)
         for key, value in student.items():
             self.shadow[key].mul_(1 - self.update_rate).add_(value.detach(), alpha=self.update_rate)
         set_peft_model_state_dict(policy, self.shadow, adapter_name=TEACHER_ADAPTER)
@@ -358,8 +359,10 @@ class SelfTeacher:
         """The LoRA EMA teacher's adapter "teacher", zero-initialised (the base model), frozen, and its shadow."""
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-        policy, active = self.policy, self.policy.active_adapter
-        self.shadow = {k: torch.zeros_like(v) for k, v in get_peft_model_state_dict(policy).items()}
+        policy = self.policy
+        active = self.student_adapter = policy.active_adapter
+        student = get_peft_model_state_dict(policy, adapter_name=active)
+        self.shadow = {k: torch.zeros_like(v) for k, v in student.items()}
         policy.add_adapter(TEACHER_ADAPTER, policy.peft_config[active])
         set_peft_model_state_dict(policy, self.shadow, adapter_name=TEACHER_ADAPTER)
         policy.set_adapter(active)

@@ -503,6 +503,24 @@ class OnlineTrainer(CompletionsMixin, OnlineDataMixin, OnlineMetricsMixin, Polic
             log_images=self.args.log_multimodal,
         )
 
+    def log_unscored_round(self, batch: RolloutBatch, samples: Samples) -> None:
+        """A round without rewards (a teacher's distribution is the signal): zero rewards on the batch, no advantages,
+        its prompts and completions in the completion log."""
+        batch.rewards = torch.zeros(len(batch), device=batch.prompt_ids.device)
+        prompts = samples.prompts
+        if prompts and isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], int):
+            prompts = get_tokenizer(self.processing_class).batch_decode(prompts, skip_special_tokens=True)
+        self.completion_log.add_round(
+            prompts=prompts,
+            completions=samples.completions,
+            images=samples.images,
+            rewards=None,
+            rewards_per_func=None,
+            reward_names=[],
+            advantages=None,
+            log_images=self.args.log_multimodal,
+        )
+
     def _rollout_prompts(self, rows):
         """This process's prompts (after each environment's `reset` observation), images, and environment instances
         (one per row, taken from the pool until `_release_environments`; None without environments)."""

@@ -16,7 +16,7 @@ from datasets import IterableDataset
 
 from ..core.config import document_fields, option
 from ..online.rollout import RolloutPlan
-from ..online.self_distillation import SelfDistillationConfig, SelfDistillationCore
+from ..online.self_distillation import SelfDistillationConfig, SelfDistillationCore, last_user_text, privileged_text
 
 
 @document_fields
@@ -114,34 +114,3 @@ class SDFTTrainer(SelfDistillationCore):
             else:
                 teacher_prompts.append(template.format(prompt=prompt, privileged_context=context))
         return teacher_prompts
-
-
-def privileged_text(context) -> str:
-    """A row's privileged context as text: a string as it is, messages as their non-empty text contents joined by
-    newlines, anything else `str()`; None raises."""
-    if context is None:
-        raise ValueError("`privileged_context` must not be None for self-distillation teacher prompt construction.")
-    if isinstance(context, str):
-        return context
-    if isinstance(context, list) and context and isinstance(context[0], dict):
-        texts = [message_text(message.get("content", "")) for message in context]
-        return "\n".join(text for text in texts if text)
-    return str(context)
-
-
-def message_text(content) -> str:
-    """A message's content as text (a list of parts: its text parts joined by spaces)."""
-    if isinstance(content, list):
-        return " ".join(part.get("text", "") for part in content if part.get("type") == "text")
-    return str(content)
-
-
-def last_user_text(conversation: list) -> str:
-    """The text of a conversation's last turn, which must be the user's."""
-    last = conversation[-1]
-    if last.get("role") != "user":
-        raise ValueError(
-            "Self-distillation teacher prompt construction expects the conversation to end with a user turn, but "
-            f"the last message has role {last.get('role')!r}. End each prompt with the user's question."
-        )
-    return message_text(last.get("content", ""))

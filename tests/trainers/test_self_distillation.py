@@ -1,0 +1,319 @@
+"""SDFT and SDPO (the self-distillation core): TRL's configs and constructors, the per-token divergences against
+TRL 1.16's `loss_utils` and by hand, the losses and gradients of both trainers equal to TRL's on fixed batches (the
+teacher at a fixed state), the EMA teacher's update by hand (full copy and LoRA adapter) and across a resume, SDPO's
+demonstrations, and learning."""
+
+import dataclasses
+import inspect
+import os
+from statistics import mean
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import PreTrainedTokenizerFast
+
+from tests.helpers import tiny_run_args
+from trl_unified import SDFTConfig, SDFTTrainer, SDPOConfig, SDPOTrainer
+from trl_unified.core.divergence import clipped_importance_weights, self_distillation_divergence
+from trl_unified.testing import build_causal_lm
+from trl_unified.trainers.sdpo import successful_demonstrations
+
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+PROMPTS = ["a b c", "d e", "f g h i", "j k", "l", "m n o", "p q", "r s t u"]
+
+
+@pytest.mark.parametrize("name", ["sdft", "sdpo"])
+def test_config_and_constructor_are_trls(name):
+    import importlib
+
+    trl_module = importlib.import_module(f"trl.experimental.{name}")
+    ours = {"sdft": (SDFTConfig, SDFTTrainer), "sdpo": (SDPOConfig, SDPOTrainer)}[name]
+    theirs = getattr(trl_module, f"{name.upper()}Config"), getattr(trl_module, f"{name.upper()}Trainer")
+    fields = {f.name: f for f in dataclasses.fields(ours[0])}
+    for f in dataclasses.fields(theirs[0]):
+        assert f.name in fields, f.name
+        if f.default is not dataclasses.MISSING and f.name not in ("gradient_checkpointing", "logging_steps"):
+            assert fields[f.name].default == f.default, (f.name, fields[f.name].default, f.default)
+    signature = list(inspect.signature(theirs[1].__init__).parameters)
+    assert list(inspect.signature(ours[1].__init__).parameters) == signature
+
+
+def test_bad_settings_are_refused_before_training():
+    with pytest.raises(ValueError, match="only supports reverse KL"):
+        SDFTConfig(output_dir="out", distillation_mode="sampled_token", distillation_alpha=0.5)
+    with pytest.raises(ValueError, match="must contain both"):
+        SDFTConfig(output_dir="out", teacher_prompt_template="{prompt}")
+    with pytest.raises(ValueError, match="teacher_model_kind='copy' is not one of"):
+        SDFTConfig(output_dir="out", teacher_model_kind="copy")
+    with pytest.raises(ValueError, match="distillation_weight` must be in"):
+        SDPOConfig(output_dir="out", distillation_weight=1.5)
+    with pytest.raises(ValueError, match="requires `use_vllm=True`"):
+        SDPOConfig(output_dir="out", use_teacher_server=True)
+    with pytest.raises(ValueError, match="beta=0.1 does not apply to SDPO"):
+        SDPOConfig(output_dir="out", beta=0.1)
+    with pytest.raises(ValueError, match="`reward_funcs` is required"):
+        SDPOTrainer("model", None, train_dataset=Dataset.from_dict({"prompt": ["a"]}))
+
+
+@pytest.mark.parametrize(
+    "mode, alpha, top_k, tail",
+    [
+        ("full_logits", 0.0, None, False),
+        ("full_logits", 0.5, None, False),
+        ("full_logits", 1.0, None, False),
+        ("topk_logits", 0.5, 4, False),
+        ("topk_logits", 0.3, 4, True),
+        ("sampled_token", 1.0, None, False),
+    ],
+)
+def test_divergences_equal_trls(mode, alpha, top_k, tail):
+    from trl.experimental.sdft import loss_utils
+
+    torch.manual_seed(0)
+    student, teacher = torch.randn(3, 5, 11, requires_grad=True), torch.randn(3, 5, 11)
+    ids = torch.randint(0, 11, (3, 5))
+    ours = self_distillation_divergence(student, teacher, ids, mode, alpha, top_k, tail)
+    if mode == "full_logits":
+        theirs = loss_utils.compute_full_logit_self_distillation_loss(student, teacher, distillation_alpha=alpha)
+    elif mode == "topk_logits":
+        theirs = loss_utils.compute_topk_self_distillation_loss(
+            student, teacher, distillation_topk=top_k, distillation_alpha=alpha, distillation_add_tail=tail
+        )
+    else:
+        theirs = loss_utils.compute_sampled_token_self_distillation_loss(student, teacher, ids, distillation_alpha=1.0)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    (grad,) = torch.autograd.grad(ours.sum(), student)
+    (ref_grad,) = torch.autograd.grad(theirs.sum(), student)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_divergences_by_hand():
+    """Forward KL over the vocabulary, the top-2 support renormalised, and the clipped importance weight."""
+    p_s, p_t = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.25, 0.25, 0.5])
+    student, teacher = p_s.log().view(1, 1, 3), p_t.log().view(1, 1, 3)  # logits: log-probs up to a constant
+    forward = (p_t * (p_t.log() - p_s.log())).sum()
+    value = self_distillation_divergence(student, teacher, None, "full_logits", 0.0)
+    assert value.item() == pytest.approx(forward.item(), rel=1e-5)
+    # top-2 of the student: tokens 0 and 1; renormalised there p_S = (5/8, 3/8), p_T = (1/2, 1/2); reverse KL
+    top2 = self_distillation_divergence(student, teacher, None, "topk_logits", 1.0, 2)
+    s, t = torch.tensor([5 / 8, 3 / 8]), torch.tensor([0.5, 0.5])
+    assert top2.item() == pytest.approx((s * (s.log() - t.log())).sum().item(), rel=1e-5)
+    weights = clipped_importance_weights(torch.tensor([0.0, 0.0, -1.0]), torch.tensor([-1.0, 0.5, -1.0]), 2.0)
+    torch.testing.assert_close(weights, torch.tensor([2.0, torch.e**-0.5, 1.0]))
+
+
+def test_successful_demonstrations():
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]  # groups of 2: (1, 0), (0, 0), (1, 1)
+    assert successful_demonstrations(rewards, 2, 1.0, exclude_self=True) == [None, 0, None, None, 5, 4]
+    assert successful_demonstrations(rewards, 2, 1.0, exclude_self=False) == [0, 0, None, None, 4, 4]
+
+
+def fixed_batch(width=4, prompt=3, teacher_prompt=5, rows=2, vocab=40, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(5, vocab, (rows, n), generator=generator)  # noqa: E731
+    completion_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])[:rows, :width]
+    teacher_mask = torch.ones(rows, teacher_prompt, dtype=torch.long)
+    teacher_mask[0, 0] = 0  # a left-padded teacher prompt
+    completion_ids = ids(width)
+    return {
+        "prompt_ids": ids(prompt),
+        "prompt_mask": torch.ones(rows, prompt, dtype=torch.long),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "teacher_input_ids": torch.cat([ids(teacher_prompt), completion_ids], dim=1),
+        "teacher_attention_mask": torch.cat([teacher_mask, completion_mask], dim=1),
+        "old_per_token_logps": -torch.rand(rows, width, generator=generator) * 4,
+        "advantages": torch.tensor([1.0, -0.5])[:rows],
+        "self_distillation_mask": torch.tensor([1.0, 0.0])[:rows],
+    }
+
+
+def loss_and_grads(trainer, batch):
+    model = trainer.model
+    model.zero_grad()
+    loss = trainer.compute_loss(model, dict(batch))
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def build_pair(name, qwen2_path, tmp_path, **config):
+    """TRL's trainer and ours, same weights; the student moved off its start and the teacher set to a fixed state."""
+    import importlib
+
+    trl_module = importlib.import_module(f"trl.experimental.{name}")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(qwen2_path, padding_side="left")
+    dataset = Dataset.from_dict({"prompt": PROMPTS[:2], "privileged_context": ["x", "y"]})
+    trainers = []
+    for module, label in ((trl_module, "trl"), (__import__("trl_unified"), "ours")):
+        Config, Trainer = getattr(module, f"{name.upper()}Config"), getattr(module, f"{name.upper()}Trainer")
+        args = Config(output_dir=str(tmp_path / label), report_to=[], bf16=False, num_generations=2,
+                      per_device_train_batch_size=2, **config)  # fmt: skip
+        rewards = () if name == "sdft" else ([lambda completions, **kw: [0.0] * len(completions)],)
+        trainers.append(Trainer(qwen2_path, *rewards, args=args, train_dataset=dataset, processing_class=tokenizer))
+    torch.manual_seed(1)
+    student_shift = {n: torch.randn_like(p) * 0.05 for n, p in trainers[0].model.named_parameters()}
+    teacher_state = {n: p + torch.randn_like(p) * 0.05 for n, p in trainers[0].teacher_model.state_dict().items()}
+    for trainer in trainers:
+        with torch.no_grad():
+            for n, p in trainer.model.named_parameters():
+                p.add_(student_shift[n])
+        if trainer.teacher_model is not trainer.model:
+            trainer.teacher_model.load_state_dict(teacher_state)
+    return trainers
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(distillation_mode="topk_logits", distillation_topk=8, distillation_alpha=0.5, num_loss_tokens_to_skip=1),
+        dict(distillation_mode="topk_logits", distillation_topk=8, distillation_add_tail=True),
+        dict(distillation_mode="full_logits", distillation_alpha=0.0, distillation_is_clip=None),
+        dict(distillation_mode="sampled_token", distillation_alpha=1.0, teacher_model_kind="ema", temperature=0.7),
+    ],
+)
+def test_sdft_loss_and_gradients_equal_trls(qwen2_path, tmp_path, config):
+    theirs, ours = build_pair("sdft", qwen2_path, tmp_path, **config)
+    batch = fixed_batch()
+    batch.pop("self_distillation_mask"), batch.pop("advantages")
+    ref_loss, ref_grads = loss_and_grads(theirs, batch)
+    loss, grads = loss_and_grads(ours, batch)
+    assert ref_loss.abs() > 0
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(distillation_weight=1.0),
+        dict(
+            distillation_weight=0.5,
+            loss_type="grpo",
+            distillation_mode="topk_logits",
+            distillation_topk=8,
+            distillation_alpha=0.5,
+        ),  # fmt: skip
+        dict(distillation_weight=0.3, loss_type="dr_grpo", importance_sampling_level="sequence"),
+        dict(distillation_weight=0.0, loss_type="dapo", epsilon_high=0.28),
+    ],
+)
+def test_sdpo_loss_and_gradients_equal_trls(qwen2_path, tmp_path, config):
+    theirs, ours = build_pair("sdpo", qwen2_path, tmp_path, max_completion_length=6, **config)
+    batch = fixed_batch()
+    ref_loss, ref_grads = loss_and_grads(theirs, batch)
+    loss, grads = loss_and_grads(ours, batch)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def sdft_trainer(tokenizer, tmp_path, peft_config=None, **overrides):
+    defaults = dict(num_generations=1, per_device_train_batch_size=2, max_completion_length=4, distillation_topk=8)
+    args = tiny_run_args(SDFTConfig, tmp_path, **{**defaults, **overrides})
+    dataset = Dataset.from_dict({"prompt": PROMPTS[:4], "privileged_context": ["say a"] * 4})
+    model = build_causal_lm(tokenizer)
+    return SDFTTrainer(model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
+
+
+def test_ema_teacher_update_by_hand(tokenizer, tmp_path):
+    """θ_T ← (1 - r) θ_T + r θ_S after each optimiser step (r = 0.25), on a full copy."""
+    trainer = sdft_trainer(tokenizer, tmp_path, teacher_model_kind="ema", teacher_update_rate=0.25, max_steps=1)
+    teacher_before = {n: p.clone() for n, p in trainer.teacher_model.named_parameters()}
+    trainer.train()
+    for name, student in trainer.model.named_parameters():
+        expected = 0.75 * teacher_before[name] + 0.25 * student.detach()
+        torch.testing.assert_close(dict(trainer.teacher_model.named_parameters())[name], expected)
+
+
+def test_lora_ema_teacher_adapter_by_hand(tokenizer, tmp_path):
+    """A LoRA policy's EMA teacher is a second adapter, zero at the start (the base model), then r times the student
+    adapter after one step; frozen throughout, and the student adapter alone is trained."""
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    trainer = sdft_trainer(tokenizer, tmp_path, lora, teacher_model_kind="ema", teacher_update_rate=0.25, max_steps=1)
+    teacher = get_peft_model_state_dict(trainer.model, adapter_name="teacher")
+    assert all(v.abs().sum() == 0 for v in teacher.values())
+    assert not any(p.requires_grad for n, p in trainer.model.named_parameters() if ".teacher." in n)
+    trainer.train()
+    student = get_peft_model_state_dict(trainer.model)
+    teacher = get_peft_model_state_dict(trainer.model, adapter_name="teacher")
+    for key, value in student.items():
+        torch.testing.assert_close(teacher[key], 0.25 * value)
+    assert not any(p.requires_grad for n, p in trainer.model.named_parameters() if ".teacher." in n)
+
+
+def test_a_resume_restores_the_ema_teacher(tokenizer, tmp_path):
+    """The EMA teacher is saved with each checkpoint and read back on resume (TRL restarts it from the policy)."""
+
+    def make():
+        return sdft_trainer(
+            tokenizer, tmp_path, teacher_model_kind="ema", max_steps=4, save_strategy="steps", save_steps=2
+        )
+
+    make().train()
+    saved = torch.load(tmp_path / "checkpoint-2" / "trl_unified_state_0.pt", weights_only=False)
+    saved = saved["trainer"]["self_teacher"]["weights"]
+    resumed, restored = make(), []
+    restore = resumed.restore_checkpoint_state
+
+    def restore_and_look(state):
+        restore(state)
+        restored.append({k: v.clone() for k, v in resumed.teacher_model.state_dict().items()})
+
+    resumed.restore_checkpoint_state = restore_and_look
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert len(restored) == 1 and restored[0].keys() == saved.keys()
+    for name, value in saved.items():
+        torch.testing.assert_close(restored[0][name], value)
+    assert any(not torch.equal(restored[0][n], v) for n, v in resumed.teacher_model.state_dict().items())
+
+
+def test_sdft_trains_and_logs(tokenizer, tmp_path):
+    trainer = sdft_trainer(tokenizer, tmp_path, max_steps=2)
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    logs = trainer.state.log_history
+    assert any("self_distillation/distillation_loss" in log and "sdft/distillation_loss" in log for log in logs)
+
+
+def test_sdft_student_moves_toward_the_informed_teacher(tokenizer, tmp_path):
+    """The teacher sees the answer ("say a"): the distillation loss (its divergence from the student, on the student's
+    own completions) falls as the student learns to answer without it."""
+    trainer = sdft_trainer(
+        tokenizer, tmp_path, max_steps=40, learning_rate=3e-3, distillation_alpha=1.0, max_completion_length=6
+    )
+    trainer.train()
+    losses = [log["sdft/distillation_loss"] for log in trainer.state.log_history if "sdft/distillation_loss" in log]
+    assert mean(losses[-8:]) < 0.7 * mean(losses[:8]), losses
+
+
+def contains_a(completions, **kwargs):
+    return [float("a" in c.split()) for c in completions]
+
+
+def test_sdpo_learns_a_binary_reward(tokenizer, tmp_path):
+    """Reward 1 when the completion says "a"; the teacher sees a successful sibling: the mean reward rises."""
+    args = tiny_run_args(
+        SDPOConfig,
+        tmp_path,
+        max_steps=40,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=1e-2,
+        distillation_weight=0.5,
+        logging_steps=1,
+    )
+    prompts = Dataset.from_dict({"prompt": [PROMPTS[i % len(PROMPTS)] for i in range(64)]})
+    trainer = SDPOTrainer(
+        build_causal_lm(tokenizer), contains_a, args=args, train_dataset=prompts, processing_class=tokenizer
+    )
+    trainer.train()
+    key = "self_distillation/reward_mean"
+    rewards = [log[key] for log in trainer.state.log_history if key in log]
+    assert mean(rewards[-8:]) > mean(rewards[:8]) + 0.2, rewards
