@@ -1,6 +1,7 @@
-"""Speed and memory of an online trainer of trl_unified (RLOO, GRPO or online DPO) vs TRL's of the same name, same
-workload, in one run. `benchmarks/{rloo,grpo,online_dpo}_vs_trl.py` call this with their trainer (online DPO: the
-same completions per step, half as many prompts with 2 completions each, beta 0.1).
+"""Speed and memory of an online trainer of trl_unified (RLOO, GRPO, online DPO, GMPO or A*-PO) vs TRL's of the same
+name, same workload, in one run. `benchmarks/{rloo,grpo,online_dpo,gmpo,a2po}_vs_trl.py` call this with their trainer
+(online DPO: the same completions per step, half as many prompts with 2 completions each, beta 0.1; A*-PO: one
+completion per prompt, V* from 2 reference samples of each prompt the timed steps read, estimated before them).
 
 Model: Qwen2-style, 33.8M parameters, built locally (random weights, 8k word-level vocabulary); 32 new tokens, beta
 0.05, gradient checkpointing off, fp32 on CPU, 10 steps. Workloads (`--workload`, default both):
@@ -43,7 +44,11 @@ WORKLOADS = {
 # Word-level vocabularies: "8k" (the synthetic workloads' first measurements) and "real", Qwen2.5's size (151,665
 # tokens in its tokenizer; the 0.5B-3B checkpoints tie the input and output embeddings, as here).
 VOCABULARIES = {"8k": 8180, "real": 151_658}
-TRL_MODULES = {"online_dpo": "trl.experimental.online_dpo"}  # TRL's trainers outside `trl`
+TRL_MODULES = {  # TRL's trainers outside `trl`
+    "online_dpo": "trl.experimental.online_dpo",
+    "gmpo": "trl.experimental.gmpo",
+    "a2po": "trl.experimental.a2po",
+}  # TRL's trainers outside `trl`
 
 
 def build_model(path: str, vocab: str = "8k") -> None:
@@ -85,10 +90,13 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
     from transformers import PreTrainedTokenizerFast
 
     library = importlib.import_module("trl_unified" if impl == "ours" else TRL_MODULES.get(trainer, "trl"))
-    name = {"rloo": "RLOO", "grpo": "GRPO", "online_dpo": "OnlineDPO"}[trainer]
+    name = {"rloo": "RLOO", "grpo": "GRPO", "online_dpo": "OnlineDPO", "gmpo": "GMPO", "a2po": "A2PO"}[trainer]
     config_class, trainer_class = getattr(library, f"{name}Config"), getattr(library, f"{name}Trainer")
     if trainer == "online_dpo":  # batch counts prompts (2 completions each), the length is max_new_tokens
         shape = dict(per_device_train_batch_size=workload["batch_size"] // 2, max_new_tokens=32, beta=0.1)
+    elif trainer == "a2po":  # one completion per prompt; V* from 2 reference samples (before the timed steps)
+        shape = dict(per_device_train_batch_size=workload["batch_size"], max_completion_length=32,
+                     num_value_samples=2, filter_all_incorrect=False)  # fmt: skip
     else:
         shape = dict(per_device_train_batch_size=workload["batch_size"], num_generations=workload["num_generations"],
                      max_completion_length=32, beta=0.05)  # fmt: skip
@@ -96,6 +104,8 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
     words = workload["prompt_words"]  # prompt lengths vary from `words` to `words + 8` words
     prompts = [" ".join(f"w{(i * 37 + j * 11) % 8000}" for j in range(words + i % 9)) for i in range(256)]
+    if trainer == "a2po":  # V* is estimated for every prompt first: only those the timed steps read
+        prompts = prompts[: workload["batch_size"] * steps]
 
     def reward(completions, **kwargs):
         return [c.count("w1") / max(1, len(c.split())) for c in completions]
@@ -126,7 +136,12 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
         callbacks=[timer, phases],
     )
     # generation: TRL's `_generate` (prompts -> completion ids) and ours `generate` (the same, via generate_batched)
-    phases.watch("generation", policy_trainer, "_generate" if impl == "trl" else "generate")
+    if impl == "ours":
+        phases.watch("generation", policy_trainer, "generate")
+    elif hasattr(policy_trainer, "_generate"):
+        phases.watch("generation", policy_trainer, "_generate")
+    else:  # TRL's A*-PO samples with the policy's `generate` inside `_prepare_inputs`
+        phases.watch("generation", policy_trainer.model, "generate")
     if policy_trainer.ref_model is not None:
         phases.watch("reference", policy_trainer.ref_model)
     policy_trainer.train()
