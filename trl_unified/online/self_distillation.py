@@ -122,7 +122,6 @@ class SelfDistillationCore(OnlineTrainer):
     config_class = SelfDistillationConfig
     batch_class = SelfDistillationBatch
     loss_is_scaled_for_ga = False  # a per-micro-batch mean: the Trainer divides it by the accumulation
-    teacher_prompt_length_field = "max_prompt_length"  # the config field that cuts teacher prompts (last tokens)
 
     def setup(self) -> None:
         super().setup()
@@ -218,11 +217,15 @@ class SelfDistillationCore(OnlineTrainer):
         `batch.self_distillation_mask`."""
         raise NotImplementedError(f"{type(self).__name__} must implement teacher_prompts.")
 
+    def teacher_prompt_length(self) -> int | None:
+        """The teacher prompt tokens kept, the last ones (default: the student's `max_prompt_length`; SDPO:
+        `max_reprompt_len`)."""
+        return self.args.max_prompt_length
+
     def attach_teacher_inputs(self, batch: SelfDistillationBatch, teacher_prompts: list) -> None:
-        """`teacher_input_ids` / `teacher_attention_mask`: each teacher prompt (cut to the last
-        `teacher_prompt_length_field` tokens) left-padded, then the batch's completion block."""
-        max_length = getattr(self.args, self.teacher_prompt_length_field)
-        encoded = self.encode_prompts(teacher_prompts, max_length)
+        """`teacher_input_ids` / `teacher_attention_mask`: each teacher prompt (cut to its last
+        `teacher_prompt_length()` tokens) left-padded, then the batch's completion block."""
+        encoded = self.encode_prompts(teacher_prompts, self.teacher_prompt_length())
         ids = [torch.as_tensor(e["input_ids"], dtype=torch.long).view(-1) for e in encoded]
         pad_id = get_tokenizer(self.processing_class).pad_token_id
         device = batch.completion_ids.device

@@ -106,7 +106,6 @@ class SDPOTrainer(SelfDistillationCore):
 
     _name = "SDPO"
     config_class = SDPOConfig
-    teacher_prompt_length_field = "max_reprompt_len"
 
     def __init__(
         self,
@@ -195,6 +194,9 @@ class SDPOTrainer(SelfDistillationCore):
                 logger.warning("%s Consecutive degenerate steps: %s.", message, counters[key])
 
     # ------------------------------------------------------------------ the teacher's context
+    def teacher_prompt_length(self) -> int:
+        return self.args.max_reprompt_len  # reprompts keep their last tokens; the student's limit does not apply
+
     def teacher_prompts(self, batch, samples, mode) -> list:
         """TRL's `SuccessfulRolloutTeacherContextBuilder`, over the whole generation batch (all processes): each
         row's demonstration (module docstring) and feedback, `batch.self_distillation_mask`, the context metrics."""
