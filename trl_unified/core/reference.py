@@ -113,7 +113,7 @@ class ReferenceModel:
             yield callable_model
         finally:
             peft_model.set_adapter(active)
-            _freeze_adapter(peft_model, REF_ADAPTER)
+            freeze_adapter(peft_model, REF_ADAPTER)
 
 
 def prepare_frozen_model(model, accelerator):
@@ -129,7 +129,8 @@ def prepare_frozen_model(model, accelerator):
     return model
 
 
-def _freeze_adapter(model, name: str) -> None:
+def freeze_adapter(model, name: str) -> None:
+    """Keep PEFT adapter `name` out of training (PEFT's `set_adapter` makes the adapter it activates trainable)."""
     for param_name, param in model.named_parameters():
         if f".{name}." in param_name:
             param.requires_grad_(False)
@@ -149,7 +150,7 @@ def _add_frozen_ref_adapter(model) -> None:
         if f".{active}." in name:
             params[name.replace(f".{active}.", f".{REF_ADAPTER}.")].data.copy_(param.data)
     model.set_adapter(active)
-    _freeze_adapter(model, REF_ADAPTER)
+    freeze_adapter(model, REF_ADAPTER)
 
 
 def _is_zero3_partitioned(model) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from accelerate.utils import is_peft_model
 
-from ..core.reference import ReferenceModel, prepare_frozen_model
+from ..core.reference import ReferenceModel, freeze_adapter, prepare_frozen_model
 from ..generation.vllm_server import ServerConnection
 from ..models.loading import load_model
 
@@ -335,7 +335,7 @@ class SelfTeacher:
             yield policy_wrapped
         finally:
             peft_model.set_adapter(active)
-            _freeze_teacher_adapter(peft_model)
+            freeze_adapter(peft_model, TEACHER_ADAPTER)
 
     @torch.no_grad()
     def update(self, policy, global_step: int) -> None:
@@ -353,7 +353,7 @@ class SelfTeacher:
         for key, value in student.items():
             self.shadow[key].mul_(1 - self.update_rate).add_(value.detach(), alpha=self.update_rate)
         set_peft_model_state_dict(policy, self.shadow, adapter_name=TEACHER_ADAPTER)
-        _freeze_teacher_adapter(policy)
+        freeze_adapter(policy, TEACHER_ADAPTER)
 
     def _add_teacher_adapter(self) -> None:
         """The LoRA EMA teacher's adapter "teacher", zero-initialised (the base model), frozen, and its shadow."""
@@ -366,7 +366,7 @@ class SelfTeacher:
         policy.add_adapter(TEACHER_ADAPTER, policy.peft_config[active])
         set_peft_model_state_dict(policy, self.shadow, adapter_name=TEACHER_ADAPTER)
         policy.set_adapter(active)
-        _freeze_teacher_adapter(policy)
+        freeze_adapter(policy, TEACHER_ADAPTER)
 
     def state_dict(self) -> dict[str, Any]:
         """The EMA teacher's weights, saved with checkpoints (nothing for "base" and "live")."""
@@ -385,7 +385,7 @@ class SelfTeacher:
             for key, value in state["shadow"].items():
                 self.shadow[key].copy_(value)
             set_peft_model_state_dict(self.policy, self.shadow, adapter_name=TEACHER_ADAPTER)
-            _freeze_teacher_adapter(self.policy)
+            freeze_adapter(self.policy, TEACHER_ADAPTER)
 
 
 def is_pure_lora(model) -> bool:
@@ -394,9 +394,3 @@ def is_pure_lora(model) -> bool:
     if config is None or str(config.peft_type).split(".")[-1] != "LORA":
         return False
     return all("lora_" in name for name, param in model.named_parameters() if param.requires_grad)
-
-
-def _freeze_teacher_adapter(model) -> None:
-    for name, param in model.named_parameters():
-        if f".{TEACHER_ADAPTER}." in name:
-            param.requires_grad_(False)
