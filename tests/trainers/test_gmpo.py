@@ -16,8 +16,8 @@ import trl_unified
 from tests.helpers import count_a, prompt_dataset, tiny_run_args, varied_reward
 from tests.trainers.test_rloo_equivalence import fake_generate, run
 from trl_unified import GMPOConfig, GMPOTrainer, GRPOConfig
+from trl_unified.online.policy_losses import LOSSES, LossTerms
 from trl_unified.testing import build_causal_lm
-from trl_unified.trainers.grpo import LOSSES, LossTerms
 
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

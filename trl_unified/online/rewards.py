@@ -23,6 +23,20 @@ def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return torch.where(count > 1, variance, torch.full_like(variance, float("nan"))).sqrt()
 
 
+def group_relative_advantages(rewards: torch.Tensor, size: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's advantages (Shao et al., 2024, arXiv:2402.03300) over groups of `size` contiguous rows,
+    A_i = (r_i - mean_group r) / (s + 1e-4), with s the group's std (`scale="group"`), the whole batch's ("batch")
+    or no division ("none"); NaN rewards (unscorable rows) are left out of the means and stds. Returns `(A, s)`,
+    s per row (with "none", the group's: what the zero-std metric reads)."""
+    mean = torch.nanmean(rewards.view(-1, size), dim=1).repeat_interleave(size)
+    if scale == "batch":
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    else:
+        std = nanstd(rewards.view(-1, size), dim=1).repeat_interleave(size) if size > 1 else torch.zeros_like(rewards)
+    advantages = (rewards - mean) / (std + 1e-4) if scale != "none" else rewards - mean
+    return advantages, std
+
+
 def as_list(value) -> list:
     """A list or tuple as a list, None as `[]`, anything else as `[value]` (one reward function or class)."""
     if isinstance(value, (list, tuple)):

@@ -1,6 +1,6 @@
 r"""Geometric-Mean Policy Optimization (GMPO), Zhao et al., 2025 (arXiv:2507.20673): a drop-in for TRL 1.16's
 `trl.experimental.gmpo.GMPOTrainer`, which is GRPO with one loss: the "gmpo" entry of GRPO's loss table
-(`trainers/grpo.py`, `LOSSES`; `GRPOConfig(loss_type="gmpo")` selects it in GRPO too).
+(`online/policy_losses.py`, `LOSSES`; `GRPOConfig(loss_type="gmpo")` selects it in GRPO too).
 
 Per sequence i with advantage A_i (GRPO's group-relative one) and per-token log-ratios log w_t = log(π_θ / π_old),
 each clipped in log space on the side that would raise the objective (PPO's min),

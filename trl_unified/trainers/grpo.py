@@ -11,36 +11,21 @@ Advantages, per prompt group of G completions (r: rewards weighted and summed ov
         then A_i = (r'_i - mean r') / (std r' + 1e-4)
         over the generation batch.
 
-Per token t of completion i, with the importance ratio w = pi_theta / pi_old per token, or per sequence
-exp(mean_t log(pi_theta / pi_old)) with importance_sampling_level="sequence" (GSPO, arXiv:2507.18071):
+The loss of a micro-batch: `loss_type`'s entry of the online core's loss table (`online/policy_losses.py`, whose
+docstring states each per-token loss l and its normaliser: grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo, gmpo),
+with the importance ratio w = pi_theta / pi_old per token, or per sequence with importance_sampling_level="sequence"
+(GSPO, arXiv:2507.18071). GRPO adds to l, per token:
 
-    grpo, bnpo, dr_grpo, dapo, luspo:  l = -min(w A, clip(w, 1 - eps, 1 + eps_high) A),  w capped at `delta` when
-        set (two-sided clipping, INTELLECT-2, arXiv:2505.07291)
-    cispo (MiniMax-M1, arXiv:2506.13585):  l = -sg(min(w, eps_high)) A log pi_theta
-    sapo (arXiv:2511.20347):  l = -(4 / tau) sigmoid(tau (w - 1)) A,  tau = sapo_temperature_pos if A > 0 else _neg
-    vespo (arXiv:2602.10693):  l = -sg(phi(W)) A log pi_theta,  phi(W) = e^lambda W^k e^(-lambda W),
-        W = clamp(exp(sum_t log w)), (k, lambda) by the sign of A
-    gmpo (arXiv:2507.20673), per sequence:  l = -exp(1/|o| sum_t c_t) A,  the geometric mean of the token ratios,
-        c_t = min(log w_t, clip(log w_t, -eps, eps_high)) if A > 0 else max(...) (clipping in log space, over the
-        tokens top_entropy_quantile keeps; `GMPOTrainer`, or loss_type="gmpo")
-    then, when beta > 0:  l += beta * KL,  KL = exp(ref - logp) - (ref - logp) - 1   (k3 estimator, Schulman 2020),
+    beta > 0:  l += beta * KL,  KL = exp(ref - logp) - (ref - logp) - 1   (k3 estimator, Schulman 2020),
         multiplied by w when use_bias_correction_kl (DeepSeek-V3.2, arXiv:2512.02556)
 
 Tokens outside the top `top_entropy_quantile` of entropies (Beyond the 80/20 Rule, arXiv:2506.01939) and sequences
-with A < 0 whose mean KL(pi_old || pi_theta) exceeds `off_policy_mask_threshold` (DeepSeek-V3.2) drop out of l.
-With M_i completion tokens, B rows in the micro-batch, GA accumulation steps and N loss tokens in the whole
-generation batch (all processes), the loss of one micro-batch is
-
-    grpo, sapo, gmpo:  1/B sum_i (1/M_i sum_t l_it) / GA      bnpo (arXiv:2506.02864):  sum_it l / sum_i M_i / GA
-    dr_grpo:     sum_it l / (B * max_completion_length) / GA     luspo (arXiv:2602.05261):  1/B sum_it l / GA
-    dapo (arXiv:2503.14476), cispo, vespo:  sum_it l / (N / processes * GA / steps_per_generation)
-
-minus `entropy_coef` times the mean token entropy / GA (adaptive as in Skywork-OR1, arXiv:2505.22312).
+with A < 0 whose mean KL(pi_old || pi_theta) exceeds `off_policy_mask_threshold` (DeepSeek-V3.2) drop out of l;
+`entropy_coef` times the mean token entropy / GA is subtracted from the loss (adaptive as in Skywork-OR1,
+arXiv:2505.22312).
 """
 
-import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,163 +35,10 @@ from ..core.config import document_fields, option
 from ..online.config import OnlineConfig
 from ..online.importance_sampling import IMPORTANCE_SAMPLING_FIELDS, ImportanceSamplingConfig, ImportanceSamplingMixin
 from ..online.metrics import off_policy_mask
-from ..online.rewards import nanstd
+from ..online.policy_losses import LOSS_TYPES, LOSSES, LossTerms, LossType, policy_loss_terms
+from ..online.rewards import group_relative_advantages, nanstd
 from ..online.rollout import RolloutBatch
 from ..online.trainer import OnlineTrainer
-
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LossTerms:
-    """What every loss type reads, for one micro-batch of B rows and C completion positions: `logps` log π_θ and
-    `old_logps` log π_old `(B, C)`, `log_ratio` log(π_θ / π_old) per token `(B, C)`, `ratio` w per token `(B, C)` or
-    per sequence `(B, 1)`, `advantages` `(B, 1)`, `mask` `(B, C)`, the clipping bounds, the config, the batch, and
-    `keep` `(B, C)`: the tokens `top_entropy_quantile` keeps (None: all)."""
-
-    logps: torch.Tensor
-    old_logps: torch.Tensor
-    log_ratio: torch.Tensor
-    ratio: torch.Tensor
-    advantages: torch.Tensor
-    mask: torch.Tensor
-    low: float
-    high: float
-    args: "GRPOConfig"
-    inputs: RolloutBatch
-    keep: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class LossType:
-    """One entry of `LOSSES`. `token_loss(terms) -> (l, stat)`: the per-token loss l `(B, C)` (or `(B, 1)`) and what
-    `log` reads; `normalise(trainer, masked l, terms, accumulation, mode)`: the micro-batch's loss; `log(trainer,
-    stat, terms)`: the type's metrics; `check(config)`: its config rules, run by `GRPOConfig`;
-    `folds_sampling_correction`: vLLM's importance-sampling ratio enters `token_loss` itself (else it multiplies l);
-    `reads_kept_tokens`: `token_loss` applies `terms.keep` itself (GMPO's geometric mean; else it multiplies l)."""
-
-    token_loss: Callable[[LossTerms], tuple[torch.Tensor, torch.Tensor | None]]
-    normalise: Callable
-    log: Callable = lambda trainer, stat, terms: None
-    check: Callable = lambda config: None
-    folds_sampling_correction: bool = False
-    reads_kept_tokens: bool = False
-
-
-def _clipped(t: LossTerms):
-    """-min(w A, clip(w, 1 - eps, 1 + eps_high) A), w capped at `delta` when set (two-sided clipping)."""
-    clipped = torch.clamp(t.ratio, t.low, t.high)
-    ratio = torch.clamp(t.ratio, max=t.args.delta) if t.args.delta is not None else t.ratio
-    return -torch.min(ratio * t.advantages, clipped * t.advantages), ratio
-
-
-def _cispo(t: LossTerms):
-    """-sg(min(w, eps_high)) A log π_θ."""
-    return -torch.clamp(t.ratio, max=t.high - 1).detach() * t.advantages * t.logps, t.ratio
-
-
-def _sapo(t: LossTerms):
-    """-(4 / tau) sigmoid(tau (w - 1)) A, tau by the sign of A."""
-    tau = torch.where(t.advantages > 0, t.args.sapo_temperature_pos, t.args.sapo_temperature_neg)
-    return -torch.sigmoid(tau * (t.ratio - 1)) * 4 / tau * t.advantages, None
-
-
-def _vespo(t: LossTerms):
-    """-sg(phi(W)) A log π_θ (`_vespo_weights`)."""
-    phi = _vespo_weights(t.advantages, t.log_ratio, t.mask, t.args, t.inputs.importance_sampling_ratio)
-    return -phi * t.advantages * t.logps, phi
-
-
-def _gmpo(t: LossTerms):
-    """-exp(mean_t clip(log w_t)) A per sequence `(B, 1)`: the geometric mean of the token ratios, each log-ratio
-    clipped to [-eps, eps_high] on the side that would raise the objective (PPO's min, in log space), the mean over
-    the tokens `keep` keeps."""
-    high = t.args.epsilon_high if t.args.epsilon_high is not None else t.args.epsilon
-    clamped = torch.clamp(t.log_ratio, -t.args.epsilon, high)
-    clipped = torch.where(t.advantages > 0, torch.minimum(t.log_ratio, clamped), torch.maximum(t.log_ratio, clamped))
-    kept = t.mask if t.keep is None else t.mask * t.keep
-    log_weight = (clipped * kept).sum(-1, keepdim=True) / kept.sum(-1, keepdim=True).clamp(min=1.0)  # (B, 1)
-    return -torch.exp(log_weight) * t.advantages, torch.exp(t.log_ratio)
-
-
-def _per_sequence(trainer, masked, t, accumulation, mode):  # 1/B sum_i (1/M_i sum_t l_it) / GA
-    return (masked.sum(-1) / t.mask.sum(-1).clamp(min=1.0)).mean() / accumulation
-
-
-def _per_micro_batch_token(trainer, masked, t, accumulation, mode):  # sum_it l / sum_i M_i / GA
-    return masked.sum() / t.mask.sum().clamp(min=1.0) / accumulation
-
-
-def _per_max_length(trainer, masked, t, accumulation, mode):  # sum_it l / (B * max_completion_length) / GA
-    return masked.sum() / (masked.size(0) * t.args.max_completion_length) / accumulation
-
-
-def _sequence_sums(trainer, masked, t, accumulation, mode):  # 1/B sum_it l / GA
-    return masked.sum(-1).mean() / accumulation
-
-
-def _per_generation_token(trainer, masked, t, accumulation, mode):  # sum_it l / (N / processes * GA / S)
-    normaliser = max(t.inputs.num_loss_tokens, 1.0) / trainer.accelerator.num_processes
-    if mode == "train":  # N spans the generation batch: rescale it to one accumulation window
-        normaliser = normaliser * accumulation / t.args.steps_per_generation
-    return masked.sum() / normaliser
-
-
-def _log_clip_ratios(trainer, ratio, t):
-    trainer.log_clip_ratios(ratio, t.advantages, t.mask, t.low, t.high)
-
-
-def _log_gmpo(trainer, ratio, t):  # the token ratios against the log-space bounds
-    high = t.args.epsilon_high if t.args.epsilon_high is not None else t.args.epsilon
-    trainer.log_clip_ratios(ratio, t.advantages, t.mask, math.exp(-t.args.epsilon), math.exp(high))
-
-
-def _log_cispo(trainer, ratio, t):
-    clipped = ((ratio > t.high - 1) & (t.advantages > 0)).float()
-    trainer.log_metric("cispo_clip_ratio", trainer.masked_global_mean(clipped, t.mask))
-
-
-def _log_vespo(trainer, phi, t):
-    trainer.log_metric("vespo/phi_seq_mean", trainer.masked_global_mean(phi, t.mask))
-
-
-def _warn_token_sum_at_sequence_level(config):
-    if config.importance_sampling_level == "sequence":
-        logger.warning(
-            f"When using `importance_sampling_level='sequence'`, the `'{config.loss_type}'` loss sums per-token "
-            "contributions, which effectively weights each sequence by its completion length instead of "
-            "optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set `loss_type='grpo'`."
-        )
-
-
-def _check_luspo(config):
-    if config.importance_sampling_level != "sequence":
-        logger.warning("When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'`.")
-
-
-def _check_vespo(config):
-    token_level = config.vllm_importance_sampling_mode in ("token_truncate", "token_mask")
-    if config.use_vllm and config.vllm_importance_sampling_correction and not token_level:
-        raise ValueError(
-            "VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. "
-            f"Got: {config.vllm_importance_sampling_mode}."
-        )
-
-
-# The loss types of the module docstring, one entry each: per-token loss, normaliser, metrics, config rules.
-LOSSES = {
-    "grpo": LossType(_clipped, _per_sequence, _log_clip_ratios),
-    "dr_grpo": LossType(_clipped, _per_max_length, _log_clip_ratios, _warn_token_sum_at_sequence_level),
-    "dapo": LossType(_clipped, _per_generation_token, _log_clip_ratios, _warn_token_sum_at_sequence_level),
-    "bnpo": LossType(_clipped, _per_micro_batch_token, _log_clip_ratios, _warn_token_sum_at_sequence_level),
-    "cispo": LossType(_cispo, _per_generation_token, _log_cispo, _warn_token_sum_at_sequence_level),
-    "sapo": LossType(_sapo, _per_sequence),
-    "luspo": LossType(_clipped, _sequence_sums, _log_clip_ratios, _check_luspo),
-    "vespo": LossType(_vespo, _per_generation_token, _log_vespo, _check_vespo, folds_sampling_correction=True),
-    "gmpo": LossType(_gmpo, _per_sequence, _log_gmpo, reads_kept_tokens=True),
-}
-LOSS_TYPES = tuple(LOSSES)
 
 
 @document_fields
@@ -285,12 +117,7 @@ class GRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
             std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
             advantages = (rewards - torch.nanmean(rewards)) / (std + 1e-4)
         else:
-            mean = torch.nanmean(rewards.view(-1, g), dim=1).repeat_interleave(g)
-            if self.args.scale_rewards == "batch":
-                std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-            else:  # "none" keeps the group std for the zero-std metric only
-                std = nanstd(rewards.view(-1, g), dim=1).repeat_interleave(g) if g > 1 else torch.zeros_like(rewards)
-            advantages = (rewards - mean) / (std + 1e-4) if self.args.scale_rewards != "none" else rewards - mean
+            advantages, std = group_relative_advantages(rewards, g, self.args.scale_rewards)
         self.log_zero_std_fraction(std)
         return torch.nan_to_num(advantages, nan=0.0)
 
@@ -300,28 +127,10 @@ class GRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
         return LOSSES[self.args.loss_type]
 
     def _loss_terms(self, logps: torch.Tensor, inputs: RolloutBatch, keep: torch.Tensor | None) -> LossTerms:
-        """The ratio w = π_θ / π_old per token, or per sequence exp(mean_t log w_t) (GSPO), and the other terms every
-        loss type reads."""
-        a, mask = self.args, inputs.loss_mask
-        old_logps = inputs.old_logps if inputs.old_logps is not None else logps.detach()
-        log_ratio = logps - old_logps  # (B, C)
-        log_weight = log_ratio  # log w per token
-        if a.importance_sampling_level == "sequence":  # mean over the sequence's tokens, (B, 1)
-            log_weight = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-        low, high = a.clip_range()
-        return LossTerms(
-            logps=logps,
-            old_logps=old_logps,
-            log_ratio=log_ratio,
-            ratio=torch.exp(log_weight),
-            advantages=inputs.advantages.unsqueeze(1),  # (B, 1)
-            mask=mask,
-            low=low,
-            high=high,
-            args=a,
-            inputs=inputs,
-            keep=keep,
-        )
+        a = self.args
+        level, (low, high) = a.importance_sampling_level, a.clip_range()
+        return policy_loss_terms(logps, inputs.old_logps, inputs.loss_mask, inputs.advantages, level, low, high, a,
+                                 inputs, keep, a.delta)  # fmt: skip
 
     def compute_policy_loss(self, model, inputs: RolloutBatch, num_items_in_batch=None):
         a, mode, mask, loss_type = self.args, self.mode, inputs.loss_mask, self.loss_entry
@@ -387,19 +196,3 @@ class GRPOTrainer(ImportanceSamplingMixin, OnlineTrainer):
         return ((entropies * mask.float()) >= torch.quantile(values, threshold)) & mask.bool()
 
     get_off_policy_mask = staticmethod(off_policy_mask)  # TRL's helper (see `online/metrics.py`)
-
-
-@torch.no_grad()
-def _vespo_weights(advantages, log_ratio, mask, a, is_ratio=None) -> torch.Tensor:
-    """phi(W) = e^lambda W^k e^(-lambda W) in log space, W = clamp(exp(sum_t clamp(log w_t))); `(B, 1)`, detached.
-    With vLLM's importance-sampling ratio r (online/importance_sampling.py), log W gains sum_t clamp(log r_t), as
-    TRL: log(pi_theta / pi_vllm) = log(pi_theta / pi_old) + log(pi_old / pi_vllm)."""
-    floor = math.log(1e-8)
-    log_w = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
-    if is_ratio is not None:
-        log_w = log_w + torch.clamp(torch.log(is_ratio), floor, 20.0).sum(-1, keepdim=True)
-    log_w = torch.clamp(log_w, floor, 20.0).detach()
-    positive = advantages >= 0
-    k = torch.where(positive, a.vespo_k_pos, a.vespo_k_neg)
-    lam = torch.where(positive, a.vespo_lambda_pos, a.vespo_lambda_neg).clamp(min=1e-4)
-    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
