@@ -1,10 +1,16 @@
 """TRL's metrics of an online rollout and its loss, averaged over every process: completion lengths, tools,
 rewards, token-weighted means and clip ratios."""
 
+import logging
+from collections import Counter
+
 import torch
 from accelerate.utils import gather
 
 from .rewards import nanstd
+
+
+logger = logging.getLogger(__name__)
 
 
 class OnlineMetricsMixin:
@@ -84,3 +90,21 @@ def off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
     kl = torch.nan_to_num(sampling_per_token_logps - per_token_logps.detach(), nan=0.0)
     mean_kl = (kl * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
     return ((advantages >= 0) | (mean_kl <= off_policy_threshold)).to(mask.dtype)
+
+
+class DegenerateRoundWarnings:
+    """Warnings about rounds that cannot teach (flat rewards, nothing to learn from), throttled as TRL's SDPO does:
+    per (mode, kind), at the 1st and every `interval`-th consecutive degenerate round (0: never); a sound round
+    resets the count."""
+
+    def __init__(self, interval: int):
+        self.interval, self.consecutive = interval, Counter()
+
+    def observe(self, mode: str, kind: str, degenerate: bool, message: str) -> None:
+        key = (mode, kind)
+        if not degenerate:
+            self.consecutive[key] = 0
+        elif self.interval:
+            self.consecutive[key] += 1
+            if self.consecutive[key] == 1 or self.consecutive[key] % self.interval == 0:
+                logger.warning("%s Consecutive degenerate steps: %s.", message, self.consecutive[key])

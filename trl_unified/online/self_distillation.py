@@ -394,3 +394,13 @@ def last_user_text(conversation: list) -> str:
             f"the last message has role {last.get('role')!r}. End each prompt with the user's question."
         )
     return message_text(last.get("content", ""))
+
+
+def fill_teacher_template(template: str, prompt, **fields):
+    """A teacher prompt: `template` formatted with the prompt's text as `{prompt}` and `fields`; for a conversation,
+    its last user turn's text is formatted and replaced, the other turns kept (TRL's context builders). One
+    `format` call: braces inside the prompt or the fields stay as they are."""
+    if isinstance(prompt, list):
+        text = template.format(prompt=last_user_text(prompt), **fields)
+        return [*prompt[:-1], {"role": "user", "content": text}]
+    return template.format(prompt=prompt, **fields)

@@ -16,7 +16,12 @@ from datasets import IterableDataset
 
 from ..core.config import document_fields, option
 from ..online.rollout import RolloutPlan
-from ..online.self_distillation import SelfDistillationConfig, SelfDistillationCore, last_user_text, privileged_text
+from ..online.self_distillation import (
+    SelfDistillationConfig,
+    SelfDistillationCore,
+    fill_teacher_template,
+    privileged_text,
+)
 
 
 @document_fields
@@ -105,12 +110,7 @@ class SDFTTrainer(SelfDistillationCore):
         """TRL's `DemonstrationTeacherContextBuilder`: the template filled with the prompt (a conversation's last user
         turn, the other turns kept) and the row's privileged context as text."""
         template = self.args.teacher_prompt_template
-        teacher_prompts = []
-        for row, prompt in zip(rows, prompts, strict=True):
-            context = privileged_text(row.get("privileged_context"))
-            if isinstance(prompt, list):
-                text = template.format(prompt=last_user_text(prompt), privileged_context=context)
-                teacher_prompts.append([*prompt[:-1], {"role": "user", "content": text}])
-            else:
-                teacher_prompts.append(template.format(prompt=prompt, privileged_context=context))
-        return teacher_prompts
+        return [
+            fill_teacher_template(template, prompt, privileged_context=privileged_text(row.get("privileged_context")))
+            for row, prompt in zip(rows, prompts, strict=True)
+        ]

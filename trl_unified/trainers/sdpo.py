@@ -18,7 +18,6 @@ or 1 ("none"). L_PG is normalised by `loss_type`: "grpo" the mean over rows of e
 pure self-distillation (the rewards only choose the demonstrations).
 """
 
-import collections
 import logging
 import re
 from dataclasses import dataclass
@@ -28,12 +27,24 @@ from accelerate.utils import gather_object
 
 from ..core.config import document_fields, option
 from ..models.loading import get_tokenizer
-from ..online.self_distillation import SelfDistillationConfig, SelfDistillationCore, last_user_text
+from ..online.metrics import DegenerateRoundWarnings
+from ..online.policy_losses import (
+    clipped_surrogate,
+    per_max_length,
+    per_micro_batch_token,
+    per_sequence,
+    policy_loss_terms,
+)
+from ..online.rewards import group_relative_advantages
+from ..online.self_distillation import SelfDistillationConfig, SelfDistillationCore, fill_teacher_template
 
 
 logger = logging.getLogger(__name__)
 
-SDPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+# SDPO's policy-loss normalisers (the online core's loss table's): "dapo" is the micro-batch's token mean here
+SDPO_NORMALISERS = {"grpo": per_sequence, "bnpo": per_micro_batch_token, "dr_grpo": per_max_length,
+                    "dapo": per_micro_batch_token}  # fmt: skip
+SDPO_LOSS_TYPES = tuple(SDPO_NORMALISERS)
 FLAT_REWARDS = (
     "Observed flat SDPO rewards across all sampled generations. Policy advantages will collapse to zero, and SDPO "
     "will not learn. Check reward density, reward shaping, or `success_reward_threshold`."
@@ -124,7 +135,6 @@ class SDPOTrainer(SelfDistillationCore):
             raise ValueError("`reward_funcs` is required for SDPOTrainer because SDPO must score rollouts.")
         if train_dataset is None:
             raise ValueError("`train_dataset` is required")
-        self._diagnostic_counters = {"train": collections.Counter(), "eval": collections.Counter()}
         self._feedback_warned = False  # the ignored-feedback warning, once
         super().__init__(
             model,
@@ -138,6 +148,7 @@ class SDPOTrainer(SelfDistillationCore):
             optimizers,
             peft_config=peft_config,
         )
+        self._degenerate_rounds = DegenerateRoundWarnings(self.args.diagnostics_warning_interval)
 
     # TRL's attributes
     loss_type = property(lambda self: self.args.loss_type)
@@ -152,16 +163,10 @@ class SDPOTrainer(SelfDistillationCore):
         """The module docstring's advantages (an unscored row reads reward 0, TRL's `nansum`), and the round's reward
         diagnostics."""
         rewards, size = rewards.nan_to_num(0.0), self.group_size(mode)
-        grouped = rewards.view(-1, size)
-        group_std = grouped.std(dim=1)
-        if self.scale_rewards == "batch":
-            std = rewards.std().expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-        elif self.scale_rewards == "none":
-            std, group_std = torch.ones_like(rewards), torch.ones_like(group_std)
-        else:
-            std = group_std.repeat_interleave(size)
-        advantages = (rewards - grouped.mean(dim=1).repeat_interleave(size)) / (std + 1e-4)
+        advantages, _ = group_relative_advantages(rewards, size, self.scale_rewards)
         batch.advantages = advantages[batch.row_index]
+        group_std = rewards.view(-1, size).std(dim=1)
+        group_std = torch.ones_like(group_std) if self.scale_rewards == "none" else group_std  # TRL's diagnostics
         self._record_reward_diagnostics(mode, rewards, rewards_per_func, group_std)
         return advantages
 
@@ -181,17 +186,8 @@ class SDPOTrainer(SelfDistillationCore):
             metrics[f"rewards/{name}"] = mean
         for name, value in metrics.items():
             self.log_metric(f"self_distillation/{name}", value)
-        self._warn_if(mode, "flat_rewards", spread <= tolerance and flat_groups >= 1.0 - tolerance, FLAT_REWARDS)
-
-    def _warn_if(self, mode: str, key: str, degenerate: bool, message: str) -> None:
-        """Warn at the 1st and every `diagnostics_warning_interval`-th consecutive degenerate round."""
-        counters, interval = self._diagnostic_counters[mode], self.args.diagnostics_warning_interval
-        if not degenerate:
-            counters[key] = 0
-        elif interval:
-            counters[key] += 1
-            if counters[key] == 1 or counters[key] % interval == 0:
-                logger.warning("%s Consecutive degenerate steps: %s.", message, counters[key])
+        flat = spread <= tolerance and flat_groups >= 1.0 - tolerance
+        self._degenerate_rounds.observe(mode, "flat_rewards", flat, FLAT_REWARDS)
 
     # ------------------------------------------------------------------ the teacher's context
     def teacher_prompt_length(self) -> int:
@@ -233,7 +229,12 @@ class SDPOTrainer(SelfDistillationCore):
         for i in batch.row_index.tolist():
             solution = "" if demos[i] is None else self._solution_text(completions[demos[i]], pad_id)
             feedback = a.feedback_template.format(feedback_raw=feedbacks[i]) if use_feedback[i] else ""
-            teacher_prompts.append(self._reprompt(prompts[i], solution, feedback))
+            reprompted = bool(solution or feedback)  # else the prompt unchanged
+            teacher_prompts.append(
+                fill_teacher_template(a.reprompt_template, prompts[i], solution=solution, feedback=feedback)
+                if reprompted
+                else prompts[i]
+            )
         return teacher_prompts
 
     def _solution_text(self, completion_ids, pad_id: int) -> str:
@@ -241,17 +242,6 @@ class SDPOTrainer(SelfDistillationCore):
         if self.args.remove_thinking_from_demonstration:
             text = re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL).strip()
         return self.args.solution_template.format(successful_previous_attempt=text)
-
-    def _reprompt(self, prompt, solution: str, feedback: str):
-        """The row's teacher prompt: the prompt unchanged without a demonstration or feedback, else the reprompt
-        template (one `format`: braces in the prompt, demonstration or feedback stay as they are)."""
-        if not solution and not feedback:
-            return prompt
-        template = self.args.reprompt_template
-        if isinstance(prompt, list):
-            text = template.format(prompt=last_user_text(prompt), solution=solution, feedback=feedback)
-            return [*prompt[:-1], {"role": "user", "content": text}]
-        return template.format(prompt=prompt, solution=solution, feedback=feedback)
 
     def _log_context_metrics(self, mode, rewards, size, demos, has_feedback, use_feedback, mask) -> None:
         threshold, total = self.args.success_reward_threshold, max(len(rewards), 1)
@@ -267,8 +257,9 @@ class SDPOTrainer(SelfDistillationCore):
         for name, value in metrics.items():
             self.log_metric(f"self_distillation/{name}", value)
         tolerance = self.args.diagnostics_flat_tolerance
-        self._warn_if(mode, "inactive_self_distillation", metrics["reprompt_sample_fraction"] <= tolerance, INACTIVE)
-        self._warn_if(mode, "no_successful_rollouts", success_groups <= tolerance, NO_SUCCESS)
+        inactive = metrics["reprompt_sample_fraction"] <= tolerance
+        self._degenerate_rounds.observe(mode, "inactive_self_distillation", inactive, INACTIVE)
+        self._degenerate_rounds.observe(mode, "no_successful_rollouts", success_groups <= tolerance, NO_SUCCESS)
 
     # ------------------------------------------------------------------ the loss
     def compute_policy_loss(self, model, inputs, num_items_in_batch=None):
@@ -286,20 +277,11 @@ class SDPOTrainer(SelfDistillationCore):
         mask, ids = inputs["completion_mask"], inputs["completion_ids"]
         logps = student_logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
         old_logps = inputs.get("old_logps", inputs.get("old_per_token_logps"))
-        log_ratio = logps - (logps.detach() if old_logps is None else old_logps)
-        if self.importance_sampling_level == "sequence":
-            log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-        advantages = inputs["advantages"]
-        advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-        ratio = torch.exp(log_ratio)
-        clipped = ratio.clamp(1 - self.epsilon_low, 1 + self.epsilon_high)
-        masked = -torch.min(ratio * advantages, clipped * advantages) * mask
-        if self.loss_type == "grpo":
-            loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-        elif self.loss_type == "dr_grpo":
-            loss = masked.sum() / (masked.size(0) * self.args.max_completion_length)
-        else:  # "bnpo", "dapo": the micro-batch's token mean
-            loss = masked.sum() / mask.sum().clamp(min=1)
+        bounds = (1 - self.epsilon_low, 1 + self.epsilon_high)
+        level, advantages = self.importance_sampling_level, inputs["advantages"]
+        terms = policy_loss_terms(logps, old_logps, mask, advantages, level, *bounds, self.args, inputs)
+        per_token_loss, _ = clipped_surrogate(terms)
+        loss = SDPO_NORMALISERS[self.loss_type](self, per_token_loss * mask, terms, 1.0, self.mode)
         self.log_metric("self_distillation/policy_loss", loss.item())
         return loss
 
