@@ -246,7 +246,11 @@ def position_weighted_advantages(teacher, rollout, valid, gamma: float, epsilon:
     """IW-OPD's token advantages and their weights `(B, T)` each (Xie et al., 2026, arXiv:2606.22600), both without
     gradient: a_t = log p_T(y_t) - log p_roll(y_t) on `valid` positions (0 elsewhere), and
     w_t = 1 + gamma (1 - S_t / Z), S_t = sum_{j<t} |a_j|, Z = max(sum_j |a_j|, epsilon): w in [1, 1 + gamma], larger
-    before much of the row's |a| has accumulated."""
+    before much of the row's |a| has accumulated. A teacher log-prob that is not finite at a `valid` position (a
+    server that returned none there) is an error."""
+    missing = int((valid & ~torch.isfinite(teacher)).sum())
+    if missing:
+        raise ValueError(f"Teacher logprobs are missing for required IW-OPD positions: {missing}/{int(valid.sum())}.")
     advantage = (teacher.masked_fill(~valid, 0.0) - rollout.masked_fill(~valid, 0.0)).detach() * valid
     magnitude = advantage.abs()
     spent = (magnitude.cumsum(dim=1) - magnitude) / magnitude.sum(dim=1, keepdim=True).clamp_min(epsilon)

@@ -1,5 +1,6 @@
-"""The `model.generate` engine of `generate_batched`: one padded chunk, optionally on a shared-prefix KV cache; and
-TRL 1.12's PPO `batch_generation` (`generate` with its scores), importable from `trl_unified.trainers.ppo`."""
+"""The `model.generate` engine of `generate_batched`: one padded chunk, optionally on a shared-prefix KV cache; TRL
+1.12's PPO `batch_generation` (`generate` with its scores), importable from `trl_unified.trainers.ppo`; and TRL's
+GKD `generate_on_policy_outputs` (`generate_with_labels`: sequences with their mask and labels)."""
 
 import torch
 from torch import nn
@@ -68,3 +69,24 @@ def batch_generation(
     query_responses = [nn.functional.pad(r, (0, width - r.size(1)), value=pad_token_id) for r in query_responses]
     logitss = [nn.functional.pad(s, (0, 0, 0, steps - s.size(1)), value=0.0) for s in logitss]
     return torch.cat(query_responses), torch.cat(logitss)
+
+
+def generate_with_labels(model, inputs: dict, generation_config: GenerationConfig):
+    """TRL's GKD `generate_on_policy_outputs`: `model.generate` from `inputs["prompts"]` (and its
+    `prompt_attention_mask`), returning `(input_ids, attention_mask, labels)` with the completion kept up to and
+    including its first stop token (any of `eos_token_id`; all of it when there is none) and labels -100 on the
+    prompt and after the stop."""
+    prompts, prompt_mask = inputs["prompts"], inputs["prompt_attention_mask"]
+    sequences = model.generate(
+        input_ids=prompts,
+        attention_mask=prompt_mask,
+        generation_config=generation_config,
+        return_dict_in_generate=True,
+    ).sequences
+    completion = sequences[:, prompts.size(1) :]
+    stops = eos_ids(generation_config)
+    completion_mask = cut_after_eos(completion, stops, 0)[1] if stops else torch.ones_like(completion)
+    attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
+    labels = sequences.masked_fill(attention_mask == 0, -100)
+    labels[:, : prompts.size(1)] = -100
+    return sequences, attention_mask, labels

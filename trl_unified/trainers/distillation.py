@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from ..core.config import document_fields, option
+from ..data.sft import ChatMLCollator
+from ..models.loading import default_output_dir
+from ..online.completions import CompletionMix
 from ..online.config import OnlineConfig
 from ..online.distillation import DistillationCore
 from ..online.rollout import RolloutBatch
@@ -191,3 +194,50 @@ class DistillationTrainer(DistillationCore):
         if self.logs_divergence:
             self.log_metric("jsd", self.masked_global_mean(divergence.detach(), mask))
         return loss
+
+
+class MessagesDistillationTrainer(DistillationTrainer):
+    """The base of TRL's experimental GKD and IW-OPD: distillation on `messages` rows (the last turn the completion)
+    tokenised by TRL's ChatML collator (`data/sft.py`), their SFTTrainer-style constructor (a `data_collator`;
+    `compute_metrics` and `preprocess_logits_for_metrics` refused, with the reason), and the
+    on/off-policy mix of `lmbda` (`online/completions.py`), evaluation scoring the dataset's completions."""
+
+    prompt_columns = ("messages",)
+    collator_prompt_budget: int | None = None  # the collator's prompt-token limit (None: max_length's)
+
+    def __init__(
+        self,
+        model=None,
+        teacher_model=None,
+        args=None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        preprocess_logits_for_metrics=None,
+        peft_config=None,
+    ):
+        unsupported = {
+            "compute_metrics": (compute_metrics, "the evaluation reports the loss on the dataset's completions"),
+            "preprocess_logits_for_metrics": (preprocess_logits_for_metrics, "the evaluation keeps no logits"),
+        }
+        for name, (value, reason) in unsupported.items():
+            if value is not None:
+                raise NotImplementedError(f"{name} is not supported by {self._name}: {reason}.")
+        args = args or self.config_class(output_dir=default_output_dir(model, self._name))
+        args.remove_unused_columns = False  # the collator reads the rows' own columns (as TRL's trainers)
+        self._data_collator = data_collator
+        data = (train_dataset, eval_dataset, processing_class, callbacks, optimizers)
+        super().__init__(model, teacher_model, args, *data, peft_config=peft_config)
+
+    def make_data_collator(self):
+        a = self.args
+        return self._data_collator or ChatMLCollator(
+            self.processing_class, a.max_length, a.chat_template_kwargs, self.collator_prompt_budget
+        )
+
+    def completion_mix(self) -> CompletionMix:
+        return CompletionMix(self.args.lmbda, eval_source="dataset")

@@ -5,8 +5,9 @@ distillation trainer.
 Each round (one micro-batch by default, as TRL draws per micro-batch) is, with probability `lmbda`, the student's own
 samples of the rows' prompts (temperature `temperature`); otherwise the dataset's completions or, with `seq_kd`, the
 teacher's samples (`online/completions.py`, `CompletionMix`). Rows are tokenised by TRL's ChatML collator
-(`data/sft.py`, `ChatMLCollator`): `messages` rows, the last turn being the completion. The loss is the generalized
-JSD of `core/divergence.py` between the models themselves (temperature 1, as TRL's GKD: `temperature` only samples),
+(`data/sft.py`, `ChatMLCollator`, as `MessagesDistillationTrainer` sets up): `messages` rows, the last turn being the
+completion. The loss is the generalized JSD of `core/divergence.py` between the models themselves (temperature 1, as
+TRL's GKD: `temperature` only samples),
 
     loss = sum_{i,t in M} D_beta(i, t) / |M|,    M = the round's completion tokens (all processes),
 
@@ -16,15 +17,11 @@ one optimiser step averaging its rounds. Evaluation scores the dataset's complet
 from dataclasses import dataclass
 from operator import attrgetter
 
-import torch
-
 from ..core.config import document_fields, option
-from ..data.sft import ChatMLCollator
-from ..generation.options import eos_ids
-from ..generation.output import cut_after_eos
-from ..models.loading import default_output_dir, get_tokenizer
+from ..generation.transformers_generate import generate_with_labels
+from ..models.loading import get_tokenizer
 from ..online.completions import CompletionMix
-from .distillation import DistillationConfig, DistillationTrainer
+from .distillation import DistillationConfig, MessagesDistillationTrainer
 
 
 # SFTConfig fields that shape SFT's dataset preparation, which TRL's GKD skips (its collator tokenises the rows).
@@ -95,7 +92,7 @@ class GKDConfig(DistillationConfig):
         super().__post_init__()
 
 
-class GKDTrainer(DistillationTrainer):
+class GKDTrainer(MessagesDistillationTrainer):
     """GKD (see the module docstring). Same constructor as `trl.experimental.gkd.GKDTrainer` 1.16."""
 
     _name = "GKD"
@@ -118,35 +115,18 @@ class GKDTrainer(DistillationTrainer):
         peft_config=None,
         formatting_func=None,
     ):
-        unsupported = {
-            "compute_metrics": (compute_metrics, "GKD's evaluation reports the loss on the dataset's completions"),
-            "preprocess_logits_for_metrics": (preprocess_logits_for_metrics, "GKD's evaluation keeps no logits"),
-            "formatting_func": (formatting_func, "TRL's GKD skips SFT's preparation; map the rows to messages first"),
-        }
-        for name, (value, reason) in unsupported.items():
-            if value is not None:
-                raise NotImplementedError(f"{name} is not supported: {reason}.")
-        args = args or GKDConfig(output_dir=default_output_dir(model, self._name))
-        args.remove_unused_columns = False  # the collator reads the rows' own columns (TRL's GKD does the same)
-        self._data_collator = data_collator
-        super().__init__(
-            model,
-            teacher_model,
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            peft_config=peft_config,
-        )
+        if formatting_func is not None:
+            raise NotImplementedError(
+                "formatting_func is not supported by GKD: TRL's GKD skips SFT's preparation; map the rows to messages."
+            )
+        data = (data_collator, train_dataset, eval_dataset, processing_class, compute_metrics, callbacks, optimizers)
+        super().__init__(model, teacher_model, args, *data, preprocess_logits_for_metrics, peft_config)
 
     def make_data_collator(self):
-        tokenizer = self.processing_class
         if self.args.pad_token is not None:  # SFTConfig's pad_token, into the tokenizer and the model's configs
-            get_tokenizer(tokenizer).pad_token = self.args.pad_token
-            self._sync_pad_token(self.model, tokenizer)
-        return self._data_collator or ChatMLCollator(tokenizer, self.args.max_length, self.args.chat_template_kwargs)
+            get_tokenizer(self.processing_class).pad_token = self.args.pad_token
+            self._sync_pad_token(self.model, self.processing_class)
+        return super().make_data_collator()
 
     def completion_mix(self) -> CompletionMix:
         return CompletionMix(self.args.lmbda, self.args.seq_kd, eval_source="dataset")
@@ -167,22 +147,4 @@ class GKDTrainer(DistillationTrainer):
     lmbda = property(attrgetter("args.lmbda"))  # TRL's attributes (`beta`, `temperature`: the online core's)
     seq_kd = property(attrgetter("args.seq_kd"))
 
-    @staticmethod
-    def generate_on_policy_outputs(model, inputs, generation_config):
-        """TRL's static method: `model.generate` from `inputs["prompts"]`, returning `(input_ids, attention_mask,
-        labels)` with the completion kept up to and including its first stop token (any of `eos_token_id`; all of it
-        when there is none) and labels -100 on the prompt and after the stop."""
-        prompts, prompt_mask = inputs["prompts"], inputs["prompt_attention_mask"]
-        sequences = model.generate(
-            input_ids=prompts,
-            attention_mask=prompt_mask,
-            generation_config=generation_config,
-            return_dict_in_generate=True,
-        ).sequences
-        completion = sequences[:, prompts.size(1) :]
-        stops = eos_ids(generation_config)
-        completion_mask = cut_after_eos(completion, stops, 0)[1] if stops else torch.ones_like(completion)
-        attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
-        labels = sequences.masked_fill(attention_mask == 0, -100)
-        labels[:, : prompts.size(1)] = -100
-        return sequences, attention_mask, labels
+    generate_on_policy_outputs = staticmethod(generate_with_labels)  # TRL's static method

@@ -11,16 +11,14 @@ token (beta > 0, `loss_top_k=1`), or a top-k support, from a local teacher or a 
 """
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
 from ..core.config import document_fields, option
 from ..core.divergence import position_weighted_advantages, topk_generalized_jsd_loss
-from ..data.sft import ChatMLCollator
-from ..models.loading import default_output_dir
-from ..online.completions import CompletionMix
 from ..online.teachers import build_teachers
-from .distillation import DistillationConfig, DistillationTrainer
+from .distillation import DistillationConfig, MessagesDistillationTrainer
 
 
 @document_fields
@@ -53,12 +51,8 @@ class IWOPDConfig(DistillationConfig):
 
     def __post_init__(self):
         iw_opd, server, k = self.distillation_objective == "iw_opd", self.use_teacher_server, self.loss_top_k
-        mode, liger, url, beta = (
-            self.reverse_kl_top_1_mode,
-            self.use_liger_kernel,
-            self.teacher_model_server_url,
-            self.beta,
-        )
+        mode, url = self.reverse_kl_top_1_mode, self.teacher_model_server_url
+        liger, beta = self.use_liger_kernel, self.beta
         objective_known = self.distillation_objective in ("jsd", "iw_opd")
         rules = [
             (not 0 <= self.lmbda <= 1, f"lmbda must be in [0.0, 1.0], got {self.lmbda}."),
@@ -88,42 +82,22 @@ class IWOPDConfig(DistillationConfig):
         """The server rules are IW-OPD's own (above), and apply only with `use_teacher_server`."""
 
 
-class IWOPDTrainer(DistillationTrainer):
+class IWOPDTrainer(MessagesDistillationTrainer):
     """IW-OPD (see the module docstring). Same constructor as `trl.experimental.iw_opd.IWOPDTrainer` 1.16."""
 
     _name = "IW-OPD"
     _tag_names = ["trl", "iw-opd", "trl_unified"]
     config_class = IWOPDConfig
-    prompt_columns = ("messages",)
-    temperature = generation_config = None  # TRL's plain attributes, set in __init__ (its tests set them too)
+    temperature = generation_config = None  # TRL's plain attributes, set in setup() (its tests set them too)
 
-    def __init__(
-        self,
-        model=None,
-        teacher_model=None,
-        args: IWOPDConfig | None = None,
-        data_collator=None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        compute_metrics=None,
-        callbacks=None,
-        optimizers=(None, None),
-        preprocess_logits_for_metrics=None,
-        peft_config=None,
-    ):
-        if compute_metrics is not None or preprocess_logits_for_metrics is not None:
-            raise NotImplementedError(
-                "compute_metrics / preprocess_logits_for_metrics: IW-OPD's evaluation is its loss."
-            )
-        args = args or IWOPDConfig(output_dir=default_output_dir(model, self._name))
-        args.remove_unused_columns = False  # the collator reads the rows' own columns (TRL's IW-OPD does the same)
-        self._data_collator = data_collator
-        data = (train_dataset, eval_dataset, processing_class, callbacks, optimizers)
-        super().__init__(model, teacher_model, args, *data, peft_config=peft_config)
-        self.temperature, self.lmbda, self.use_teacher_server = args.temperature, args.lmbda, args.use_teacher_server
-        self.iw_opd_gamma, self.iw_opd_epsilon = args.iw_opd_gamma, args.iw_opd_epsilon
-        self.generation_config = self.make_generation_config(True, args.max_completion_length)
+    def setup(self) -> None:  # TRL's plain attributes, set at construction
+        super().setup()
+        a = self.args
+        self.temperature, self.lmbda, self.use_teacher_server = a.temperature, a.lmbda, a.use_teacher_server
+        self.iw_opd_gamma, self.iw_opd_epsilon = a.iw_opd_gamma, a.iw_opd_epsilon
+        self.generation_config = self.make_generation_config(True, a.max_completion_length)
+
+    collator_prompt_budget = property(attrgetter("args.max_prompt_length"))
 
     def build_teachers(self, student_vocabulary: int):
         """The teacher server (`use_teacher_server`), or the local teacher; none is allowed until the loss runs."""
@@ -132,15 +106,6 @@ class IWOPDTrainer(DistillationTrainer):
         if sources is None and not urls:
             return []
         return build_teachers(sources, urls, None, a, self.accelerator, student_vocabulary, self._where)
-
-    def make_data_collator(self):
-        a = self.args
-        return self._data_collator or ChatMLCollator(
-            self.processing_class, a.max_length, a.chat_template_kwargs, a.max_prompt_length
-        )
-
-    def completion_mix(self) -> CompletionMix:
-        return CompletionMix(self.args.lmbda, eval_source="dataset")
 
     generalized_jsd_loss = staticmethod(topk_generalized_jsd_loss)  # TRL's IW-OPD loss API (with top_k, add_tail)
 
@@ -180,24 +145,17 @@ class IWOPDTrainer(DistillationTrainer):
     def _iw_opd_terms(self, logits, tokens, valid, teacher, rollout=None):
         """Per-token `-w_t a_t log p_S(y_t)` (the module docstring) and TRL's `iw_opd/*` metrics of the batch."""
         student = torch.log_softmax(logits.float() / self.temperature, dim=-1).gather(-1, tokens[..., None])[..., 0]
-        missing = int((valid & ~torch.isfinite(teacher)).sum())
-        if missing:
-            raise ValueError(
-                f"Teacher logprobs are missing for required IW-OPD positions: {missing}/{int(valid.sum())}."
-            )
         rollout = student if rollout is None else rollout[:, -tokens.size(1) :]
         advantage, weights = position_weighted_advantages(
             teacher, rollout, valid, self.iw_opd_gamma, self.iw_opd_epsilon
         )
         weighted = weights * advantage
         if valid.any():
-            valid_weights, magnitude = weights[valid], advantage[valid].abs()
-            metrics = {"mean_advantage": weighted[valid].mean(), "mean_abs_advantage": magnitude.mean()}
-            metrics.update(
-                mean_weight=valid_weights.mean(), min_weight=valid_weights.min(), max_weight=valid_weights.max()
-            )
+            kept = weights[valid]
+            metrics = dict(mean_advantage=weighted[valid].mean(), mean_abs_advantage=advantage[valid].abs().mean(),
+                           mean_weight=kept.mean(), min_weight=kept.min(), max_weight=kept.max())  # fmt: skip
             for name, value in metrics.items():
-                self._metrics["train" if self.model.training else "eval"][f"iw_opd/{name}"].append(value.item())
+                self.log_metric(f"iw_opd/{name}", value.item())
         return (-student * weighted).masked_fill(~valid, 0.0)
 
     def _compute_iw_opd_loss(
