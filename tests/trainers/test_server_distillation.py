@@ -4,6 +4,7 @@ KL on a support as large as the vocabulary against the dense divergence, several
 vocabulary check, and training that moves the student toward the served teacher."""
 
 import copy
+import types
 
 import pytest
 import torch
@@ -251,3 +252,35 @@ def test_request_inputs_are_trls(tokenizer):
 def test_bad_config_is_named_before_training(overrides, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         server_args(tmp_path, "http://teacher.invalid:8000", **overrides)
+
+
+@pytest.mark.parametrize("beta, add_tail", [(0.0, True), (0.0, False), (0.5, True), (1.0, False)])
+def test_the_student_side_in_chunks_equals_the_whole_vocabulary_at_once(beta, add_tail):
+    """`student_support_divergence` from hidden states, two positions per chunk under `checkpoint`, against
+    `teacher_support_divergence` on the whole (N, V) log-probs: the same D, entropy and gradients."""
+    from trl_unified.online.distillation import student_support_divergence, teacher_support_divergence
+
+    torch.manual_seed(0)
+    n, hidden_size, vocabulary, k, temperature = 5, 8, 11, 3, 0.7
+    hidden = torch.randn(n, hidden_size, requires_grad=True)
+    head = types.SimpleNamespace(head=torch.nn.Linear(hidden_size, vocabulary, bias=False))
+    head.logits = head.head
+    sampled = torch.randint(vocabulary, (n,))
+    topk_ids = torch.stack([torch.randperm(vocabulary)[:k] for _ in range(n)])
+    teacher = torch.log_softmax(torch.randn(n, vocabulary), dim=-1)
+    support = (sampled, teacher.gather(-1, sampled[:, None])[:, 0], teacher.gather(-1, topk_ids), topk_ids, beta,
+               add_tail, False)  # fmt: skip
+    chunked, entropy = student_support_divergence(hidden, head, temperature, support, chunk_size=2)
+    chunked.sum().backward()
+    grads = hidden.grad.clone(), head.head.weight.grad.clone()
+    hidden.grad = head.head.weight.grad = None
+    log_probs = torch.log_softmax(head.head(hidden) / temperature, dim=-1)
+    whole = teacher_support_divergence(log_probs, *support[:4], beta, add_tail)
+    whole.sum().backward()
+    torch.testing.assert_close(chunked, whole)
+    torch.testing.assert_close(entropy, -(log_probs.exp() * log_probs).sum(-1).detach())
+    torch.testing.assert_close(grads, (hidden.grad, head.head.weight.grad))
+    assert not entropy.requires_grad
+    empty, _ = student_support_divergence(hidden[:0], head, temperature, tuple(v[:0] if torch.is_tensor(v) else v
+                                          for v in support))  # fmt: skip
+    assert empty.shape == (0,) and empty.requires_grad  # a batch without loss positions still backpropagates

@@ -33,7 +33,7 @@ from .lm_head import _WORK_ELEMENTS, apply_logit_transform
 
 
 # Positions per chunk: one chunk's float32 logits stay under this many elements (x 2 models, x a few temporaries).
-_CHUNK_ELEMENTS = 2**24
+CHUNK_ELEMENTS = 2**24
 
 
 def jsd_divergence(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, beta: float) -> torch.Tensor:
@@ -291,7 +291,7 @@ def token_divergence(
     batch, width = student_hidden.shape[:2]
     flat_student, flat_teacher = student_hidden.reshape(batch * width, -1), teacher_hidden.reshape(batch * width, -1)
     vocabulary = student_head.weight.size(0)
-    chunk_size = chunk_size or max(1, _CHUNK_ELEMENTS // max(1, vocabulary))
+    chunk_size = chunk_size or max(1, CHUNK_ELEMENTS // max(1, vocabulary))
     if linear is not None:
         (weight, scale), (teacher_weight, teacher_scale) = linear
         arguments = (

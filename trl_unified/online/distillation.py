@@ -14,8 +14,10 @@ the same divergence (`labelled_loss`), as TRL's static API and tests call it.
 import functools
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ..core.divergence import (
+    CHUNK_ELEMENTS,
     generalized_jsd_loss,
     reduce_divergence,
     sparse_divergence,
@@ -309,7 +311,8 @@ class DistillationCore(OnlineTrainer):
     def server_divergence(self, model, teacher: Teacher, input_ids, attention_mask, width, mask, labels, prompt_mask):
         """D over the support a teacher server reports (`core/divergence.py`, "sparse supports"): its top-k at
         beta = 0; its top-1 and the sampled token otherwise (the sampled token alone at beta = 1); the student's
-        log-probs over the whole vocabulary at the positions the loss reads."""
+        log-probs over the whole vocabulary at the positions the loss reads, from its final hidden states a chunk of
+        positions at a time (`student_support_divergence`), else from its logits."""
         mask = torch.ones_like(input_ids[:, -width:]) if mask is None else mask
         if labels is None:  # the completion block, aligned at its first token
             completion = input_ids[:, -width:].masked_fill(mask == 0, -100)
@@ -331,14 +334,15 @@ class DistillationCore(OnlineTrainer):
         keys = ("actual_logprobs", "topk_logprobs", "topk_token_ids")
         actual, topk, ids = (fit_to_width(result[key], width)[required] for key in keys)
         tokens = input_ids[:, -width:][required]
-        ids_ = mask_padding(input_ids, attention_mask, embedding_rows(self.accelerator.unwrap_model(model)))
-        logits = model(input_ids=ids_, attention_mask=attention_mask, logits_to_keep=width + 1).logits[:, :-1]
-        student = torch.log_softmax(logits[required].float() / temperature, dim=-1)  # (N, V)
-        divergence = teacher_support_divergence(
-            student, tokens, actual, topk, ids, self.args.beta, self.loss_add_tail, self.support_includes_sampled
-        )
-        with torch.no_grad():
-            entropy = -(student.exp() * student).sum(-1)
+        support = (tokens, actual, topk, ids, self.args.beta, self.loss_add_tail, self.support_includes_sampled)
+        head = HiddenStateHead.of(model) if self.args.chunked_lm_head else None
+        hidden = self._hidden(head, input_ids, attention_mask, width) if head is not None else None
+        if hidden is not None:
+            divergence, entropy = student_support_divergence(hidden[required], head, temperature, support)
+        else:  # ZeRO-3 / FSDP shards, a compiled model: the logits at the loss's positions, (N, V) at once
+            ids_ = mask_padding(input_ids, attention_mask, embedding_rows(self.accelerator.unwrap_model(model)))
+            logits = model(input_ids=ids_, attention_mask=attention_mask, logits_to_keep=width + 1).logits[:, :-1]
+            divergence, entropy = student_support_divergence(logits[required], None, temperature, support)
         return tuple(v.new_zeros(required.shape).masked_scatter(required, v) for v in (divergence, entropy))
 
     def _hidden(self, head: HiddenStateHead, input_ids, attention_mask, width, layout=None):
@@ -390,6 +394,53 @@ def fit_to_width(values: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([values, padding], dim=1)
 
 
+def student_support_divergence(student, head, temperature: float, support: tuple, chunk_size: int | None = None):
+    """`(D, student entropy)` at N positions, `(N,)` each: `teacher_support_divergence` on `support` (the sampled
+    ids, the teacher's log-probs of them, its top-k log-probs and ids, beta, add_tail, with_sampled), the student's
+    log-probs from `head.logits(student)` (`student`: final hidden states `(N, H)`, `head` its `HiddenStateHead`; with
+    `head` None, logits `(N, V)`), a chunk of positions at a time under `checkpoint`: a chunk's `(n, V)` log-probs
+    exist only while it is computed, and again in the backward. The entropy carries no gradient."""
+    tokens, actual, topk, ids, beta, add_tail, with_sampled = support
+    check_teacher_support(actual, topk, beta)  # once, over all N positions
+    vocabulary = head.head.weight.size(0) if head is not None else student.size(-1)
+    chunk_size = chunk_size or max(1, CHUNK_ELEMENTS // max(1, vocabulary))
+
+    def chunk(x, rows):
+        log_probs = torch.log_softmax((head.logits(x) if head is not None else x).float() / temperature, dim=-1)
+        divergence = teacher_support_divergence(
+            log_probs, tokens[rows], actual[rows], topk[rows], ids[rows], beta, add_tail, with_sampled
+        )
+        with torch.no_grad():
+            return divergence, -(log_probs.exp() * log_probs).sum(-1)
+
+    grad = torch.is_grad_enabled() and student.requires_grad
+    parts = []
+    for start in range(0, student.size(0), chunk_size) or [0]:  # no position: one empty chunk, still in the graph
+        rows = slice(start, start + chunk_size)
+        x = student[rows]
+        parts.append(checkpoint(chunk, x, rows, use_reentrant=False) if grad and x.numel() else chunk(x, rows))
+    return tuple(torch.cat(values) for values in zip(*parts))
+
+
+def check_teacher_support(sampled_log_probs, topk_log_probs, beta: float) -> None:
+    """A server's log-probs must cover what the loss reads: the sampled token at beta > 0 (reverse KL's part), its
+    top-1 at 0 < beta < 1."""
+    if beta == 0:
+        return
+    missing = (~torch.isfinite(sampled_log_probs)).sum().item()
+    if missing:
+        raise ValueError(
+            "Teacher server is missing actual-token logprobs for required reverse-KL positions: "
+            f"{missing}/{sampled_log_probs.numel()}."
+        )
+    missing = (~torch.isfinite(topk_log_probs[:, 0])).sum().item() if beta < 1 else 0
+    if missing:
+        raise ValueError(
+            "Teacher server is missing top-1 logprobs for required forward-KL positions: "
+            f"{missing}/{len(topk_log_probs)}."
+        )
+
+
 def teacher_support_divergence(
     student_log_probs, sampled_ids, sampled_log_probs, topk_log_probs, topk_ids, beta, add_tail, with_sampled=False
 ):
@@ -404,17 +455,7 @@ def teacher_support_divergence(
             log_probs = torch.cat([log_probs, sampled_log_probs[:, None]], dim=-1)
             mask = torch.cat([mask, outside[:, None]], dim=-1)
         return sparse_divergence(student_log_probs, ids, log_probs, mask, 0.0, add_tail)
-    missing = (~torch.isfinite(sampled_log_probs)).sum().item()
-    if missing:
-        raise ValueError(
-            "Teacher server is missing actual-token logprobs for required reverse-KL positions: "
-            f"{missing}/{sampled_log_probs.numel()}."
-        )
-    missing = (~torch.isfinite(topk_log_probs[:, 0])).sum().item() if beta < 1 else 0
-    if missing:
-        raise ValueError(
-            f"Teacher server is missing top-1 logprobs for required forward-KL positions: {missing}/{len(topk_ids)}."
-        )
+    check_teacher_support(sampled_log_probs, topk_log_probs, beta)
     ids, log_probs, mask = top1_support(topk_ids[:, 0], topk_log_probs[:, 0], sampled_ids, sampled_log_probs, beta)
     return sparse_divergence(student_log_probs, ids, log_probs, mask, beta, add_tail)
 
