@@ -311,8 +311,9 @@ class DistillationCore(OnlineTrainer):
     def server_divergence(self, model, teacher: Teacher, input_ids, attention_mask, width, mask, labels, prompt_mask):
         """D over the support a teacher server reports (`core/divergence.py`, "sparse supports"): its top-k at
         beta = 0; its top-1 and the sampled token otherwise (the sampled token alone at beta = 1); the student's
-        log-probs over the whole vocabulary at the positions the loss reads, from its final hidden states a chunk of
-        positions at a time (`student_support_divergence`), else from its logits."""
+        log-probs over the whole vocabulary at the positions the loss reads, from its final hidden states (a common
+        prompt prefix encoded once, as the local divergence) a chunk of positions at a time
+        (`student_support_divergence`), else from its logits."""
         mask = torch.ones_like(input_ids[:, -width:]) if mask is None else mask
         if labels is None:  # the completion block, aligned at its first token
             completion = input_ids[:, -width:].masked_fill(mask == 0, -100)
@@ -336,7 +337,9 @@ class DistillationCore(OnlineTrainer):
         tokens = input_ids[:, -width:][required]
         support = (tokens, actual, topk, ids, self.args.beta, self.loss_add_tail, self.support_includes_sampled)
         head = HiddenStateHead.of(model) if self.args.chunked_lm_head else None
-        hidden = self._hidden(head, input_ids, attention_mask, width) if head is not None else None
+        shared = head is not None and self.uses_shared_prefix(model, "distillation forward")
+        layout = common_prefix(input_ids, attention_mask, input_ids.size(1) - width) if shared else None
+        hidden = self._hidden(head, input_ids, attention_mask, width, layout) if head is not None else None
         if hidden is not None:
             divergence, entropy = student_support_divergence(hidden[required], head, temperature, support)
         else:  # ZeRO-3 / FSDP shards, a compiled model: the logits at the loss's positions, (N, V) at once
