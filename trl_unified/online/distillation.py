@@ -418,10 +418,16 @@ def student_support_divergence(student, head, temperature: float, support: tuple
 
     grad = torch.is_grad_enabled() and student.requires_grad
     parts = []
-    for start in range(0, student.size(0), chunk_size) or [0]:  # no position: one empty chunk, still in the graph
+    starts = range(0, student.size(0), chunk_size)
+    if len(starts) == 0:  # no position: one empty chunk, so that the loss still reaches the autograd graph
+        starts = [0]
+    for start in starts:
         rows = slice(start, start + chunk_size)
         x = student[rows]
-        parts.append(checkpoint(chunk, x, rows, use_reentrant=False) if grad and x.numel() else chunk(x, rows))
+        if grad and x.numel():
+            parts.append(checkpoint(chunk, x, rows, use_reentrant=False))
+        else:
+            parts.append(chunk(x, rows))
     return tuple(torch.cat(values) for values in zip(*parts))
 
 

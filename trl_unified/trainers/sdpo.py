@@ -229,12 +229,11 @@ class SDPOTrainer(SelfDistillationCore):
         for i in batch.row_index.tolist():
             solution = "" if demos[i] is None else self._solution_text(completions[demos[i]], pad_id)
             feedback = a.feedback_template.format(feedback_raw=feedbacks[i]) if use_feedback[i] else ""
-            reprompted = bool(solution or feedback)  # else the prompt unchanged
-            teacher_prompts.append(
-                fill_teacher_template(a.reprompt_template, prompts[i], solution=solution, feedback=feedback)
-                if reprompted
-                else prompts[i]
-            )
+            if solution or feedback:
+                fields = dict(solution=solution, feedback=feedback)
+                teacher_prompts.append(fill_teacher_template(a.reprompt_template, prompts[i], **fields))
+            else:  # neither a demonstration nor feedback: the teacher reads the prompt unchanged
+                teacher_prompts.append(prompts[i])
         return teacher_prompts
 
     def _solution_text(self, completion_ids, pad_id: int) -> str:
