@@ -18,7 +18,7 @@ from trl_unified.online.policy_losses import (
     policy_loss_terms,
 )
 from trl_unified.online.rewards import group_relative_advantages
-from trl_unified.online.self_distillation import fill_teacher_template
+from trl_unified.online.teacher_contexts import fill_teacher_template
 
 
 def test_group_relative_advantages_by_hand():

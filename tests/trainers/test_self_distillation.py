@@ -16,8 +16,9 @@ from transformers import PreTrainedTokenizerFast
 from tests.helpers import tiny_run_args
 from trl_unified import SDFTConfig, SDFTTrainer, SDPOConfig, SDPOTrainer
 from trl_unified.core.divergence import clipped_importance_weights, self_distillation_divergence
-from trl_unified.testing import build_causal_lm
-from trl_unified.trainers.sdpo import successful_demonstrations
+from trl_unified.data.datasets import pad
+from trl_unified.online.teacher_contexts import successful_demonstrations
+from trl_unified.testing import DEFAULT_WORDS, build_causal_lm, build_tokenizer
 
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -51,6 +52,11 @@ def test_bad_settings_are_refused_before_training():
         SDPOConfig(output_dir="out", distillation_weight=1.5)
     with pytest.raises(ValueError, match="requires `use_vllm=True`"):
         SDPOConfig(output_dir="out", use_teacher_server=True)
+    with pytest.raises(ValueError, match=r"loss_type='cispo' is not one of \['grpo', 'bnpo', 'dr_grpo', 'dapo'\]"):
+        SDPOConfig(output_dir="out", loss_type="cispo")
+    with pytest.raises(ValueError, match="importance_sampling_level='seq' is not one of"):
+        SDPOConfig(output_dir="out", importance_sampling_level="seq")
+    assert SDPOConfig(output_dir="out", scale_rewards=False).scale_rewards == "none"
     with pytest.raises(ValueError, match="beta=0.1 does not apply to SDPO"):
         SDPOConfig(output_dir="out", beta=0.1)
     with pytest.raises(ValueError, match="`reward_funcs` is required"):
@@ -208,6 +214,47 @@ def test_sdpo_loss_and_gradients_equal_trls(qwen2_path, tmp_path, config):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(include_environment_feedback=True, remove_thinking_from_demonstration=True),
+        dict(include_environment_feedback=True, environment_feedback_only_without_solution=True),
+        dict(dont_reprompt_on_self_success=False, success_reward_threshold=0.5),
+        dict(use_successful_as_teacher=False, include_environment_feedback=True),
+    ],
+)
+@pytest.mark.parametrize("conversational", [False, True])
+def test_sdpo_teacher_prompts_equal_trls(qwen2_path, tmp_path, config, conversational):
+    """`SuccessfulRolloutContext` against TRL's `SuccessfulRolloutTeacherContextBuilder` on one generation batch
+    (3 groups of 2: rewards (1, 0), (0, 0), (1, 1); feedback on some rows; texts or conversations with a system
+    turn): the teacher prompts, `self_distillation_mask` and the context metrics."""
+    from types import SimpleNamespace
+
+    theirs, ours = build_pair("sdpo", qwen2_path, tmp_path, max_completion_length=6, **config)
+    tokenizer = build_tokenizer([*DEFAULT_WORDS, "<think>", "</think>", "ok", "no", "yes", "wrong", "close"])
+    ours.processing_class = theirs.processing_class = theirs._tokenizer = tokenizer  # decodes the demonstrations
+    prompts = ["a b c", "d e", "f g", "h", "i j", "k"]
+    if conversational:
+        prompts = [[{"role": "system", "content": "s"}, {"role": "user", "content": p}] for p in prompts]
+    feedbacks = ["wrong", "too long", "", None, "close", "  "]
+    texts = ["<think> a </think> ok", "no", "no", "no", "yes", "<think> b c </think> yes"]
+    completion_ids = pad([torch.tensor(tokenizer(t)["input_ids"]) for t in texts], tokenizer.pad_token_id, "right")
+    completion_mask = (completion_ids != tokenizer.pad_token_id).long()
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    captured = []
+    tokenize = theirs._tokenize_prompts_untruncated
+    theirs._tokenize_prompts_untruncated = lambda messages: captured.extend(messages) or tokenize(messages)
+    output = {"completion_ids": completion_ids, "completion_mask": completion_mask}
+    expected = theirs.teacher_context_builder.build(output, prompts, rewards, feedbacks)
+    batch = SimpleNamespace(rewards=rewards, completion_ids=completion_ids, row_index=torch.arange(6))
+    batch.gather_global = lambda values: values  # one process
+    samples = SimpleNamespace(prompts=prompts, rows=[{"privileged_context": f} for f in feedbacks])
+    teacher_prompts = ours.teacher_context_builder.teacher_prompts(batch, samples, "train")
+    assert teacher_prompts == captured
+    torch.testing.assert_close(batch.self_distillation_mask, expected["self_distillation_mask"])
+    assert ours.teacher_context_builder.last_metrics == pytest.approx(theirs.teacher_context_builder.last_metrics)
 
 
 def sdft_trainer(tokenizer, tmp_path, peft_config=None, **overrides):

@@ -35,10 +35,11 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from ..core.config import option
 from .rollout import RolloutBatch
 
 
@@ -211,6 +212,32 @@ LOSSES = {
     "gmpo": LossType(_gmpo, per_sequence, _log_gmpo, reads_kept_tokens=True),
 }
 LOSS_TYPES = tuple(LOSSES)
+
+
+@dataclass
+class PolicyLossConfig:
+    """The policy-loss fields GRPO and SDPO share, with TRL 1.16's names and defaults: mixed into a trainer's config
+    before its `OnlineConfig` base; `check_policy_loss` validates them, `loss_type` against the config's
+    `_loss_types` (GRPO: every entry of `LOSSES`; SDPO: its four normalisers)."""
+
+    _loss_types: ClassVar[tuple[str, ...]] = LOSS_TYPES
+
+    loss_type: str = option("dapo", "The policy loss, an entry of the loss table (online/policy_losses.py).")
+    importance_sampling_level: str = option("token", "The ratio per 'token' or per 'sequence' (GSPO).")
+    scale_rewards: str | bool = option(
+        "group", "Divide advantages by the 'group', 'batch' or 'none' std (True: 'group', False: 'none')."
+    )
+
+    def check_policy_loss(self) -> None:
+        """`scale_rewards` True / False read as TRL does; a value outside its choices raises, naming them."""
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        for name, allowed in (
+            ("loss_type", self._loss_types),
+            ("scale_rewards", ("group", "batch", "none")),
+            ("importance_sampling_level", ("token", "sequence")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}.")
 
 
 @torch.no_grad()

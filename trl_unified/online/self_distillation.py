@@ -10,8 +10,9 @@ with M_i the row's loss tokens (the completion, less what a trainer masks) and w
 `distillation_is_clip`) where the policy moved since sampling (π_old exists), else 1. A micro-batch with no loss
 token gives 0 with the student's graph kept. Both models' logits are divided by `temperature`.
 
-A trainer supplies the teacher's prompts (`teacher_prompts`: SDFT, a demonstration; SDPO, a successful sibling
-rollout or the environment's feedback) and, for SDPO, its rewards and policy loss; the core does the teacher's inputs,
+A trainer names the teacher's context (`teacher_context_class`, `online/teacher_contexts.py`: SDFT, the row's
+demonstration; SDPO, a successful sibling rollout or the environment's feedback) and, for SDPO, its rewards and policy
+loss; the core does the teacher's inputs,
 both forwards, the divergence, the teacher on the vLLM generation server (`use_teacher_server`, live teacher), the
 EMA updates, and TRL's callback events (`on_generation_prompts_selected`, `on_self_distillation_batch_prepared`,
 `on_generation_batch_built`).
@@ -35,6 +36,7 @@ from ..generation.prompts import encode_prompts, keep_last_tokens, normalize_pro
 from ..models.loading import get_tokenizer
 from .config import OnlineConfig
 from .rollout import RolloutBatch, Samples
+from .teacher_contexts import TeacherContext
 from .teachers import SELF_TEACHER_KINDS, SelfTeacher, build_teacher_request_inputs, teacher_client
 from .trainer import OnlineTrainer
 
@@ -116,10 +118,12 @@ class _UpdateSelfTeacher(TrainerCallback):
 
 
 class SelfDistillationCore(OnlineTrainer):
-    """The online core with the policy as its own teacher (module docstring). Hooks: `teacher_prompts` (required),
-    `generation_prompts`, `distillation_mask`; SDPO adds a policy loss in `compute_policy_loss`."""
+    """The online core with the policy as its own teacher (module docstring). A trainer names its
+    `teacher_context_class`; hooks: `teacher_prompts`, `generation_prompts`, `distillation_mask`; SDPO adds a policy
+    loss in `compute_policy_loss`."""
 
     config_class = SelfDistillationConfig
+    teacher_context_class: ClassVar[type[TeacherContext]] = TeacherContext
     batch_class = SelfDistillationBatch
     loss_is_scaled_for_ga = False  # a per-micro-batch mean: the Trainer divides it by the accumulation
 
@@ -130,6 +134,7 @@ class SelfDistillationCore(OnlineTrainer):
             a.teacher_model_kind, self.model, a, self.accelerator, self.adapter_is_pretrained
         )
         self.add_callback(_UpdateSelfTeacher(self))
+        self.teacher_context_builder = self.teacher_context_class(self)  # TRL's attribute
         self.use_teacher_server = a.use_teacher_server  # TRL's attributes, read at loss time
         self.teacher_client = None
         if a.use_teacher_server:
@@ -213,9 +218,9 @@ class SelfDistillationCore(OnlineTrainer):
             self.dispatch_event("on_generation_batch_built", generate_every=every, steps_per_generation=steps)
 
     def teacher_prompts(self, batch: SelfDistillationBatch, samples: Samples, mode: str) -> list:
-        """The teacher's prompt of each row of this process (texts or conversations); may set
-        `batch.self_distillation_mask`."""
-        raise NotImplementedError(f"{type(self).__name__} must implement teacher_prompts.")
+        """The teacher's prompt of each row of this process (texts or conversations), from the trainer's teacher
+        context; it may set `batch.self_distillation_mask`."""
+        return self.teacher_context_builder.teacher_prompts(batch, samples, mode)
 
     def teacher_prompt_length(self) -> int | None:
         """The teacher prompt tokens kept, the last ones (default: the student's `max_prompt_length`; SDPO:
@@ -363,44 +368,3 @@ class SelfDistillationCore(OnlineTrainer):
     def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
         if state.get("self_teacher"):
             self.self_teacher.load_state_dict(state["self_teacher"])
-
-
-def privileged_text(context) -> str:
-    """A row's privileged context as text: a string as it is, messages as their non-empty text contents joined by
-    newlines, anything else `str()`; None raises."""
-    if context is None:
-        raise ValueError("`privileged_context` must not be None for self-distillation teacher prompt construction.")
-    if isinstance(context, str):
-        return context
-    if isinstance(context, list) and context and isinstance(context[0], dict):
-        texts = [message_text(message.get("content", "")) for message in context]
-        return "\n".join(text for text in texts if text)
-    return str(context)
-
-
-def message_text(content) -> str:
-    """A message's content as text (a list of parts: its text parts joined by spaces)."""
-    if isinstance(content, list):
-        return " ".join(part.get("text", "") for part in content if part.get("type") == "text")
-    return str(content)
-
-
-def last_user_text(conversation: list) -> str:
-    """The text of a conversation's last turn, which must be the user's."""
-    last = conversation[-1]
-    if last.get("role") != "user":
-        raise ValueError(
-            "Self-distillation teacher prompt construction expects the conversation to end with a user turn, but "
-            f"the last message has role {last.get('role')!r}. End each prompt with the user's question."
-        )
-    return message_text(last.get("content", ""))
-
-
-def fill_teacher_template(template: str, prompt, **fields):
-    """A teacher prompt: `template` formatted with the prompt's text as `{prompt}` and `fields`; for a conversation,
-    its last user turn's text is formatted and replaced, the other turns kept (TRL's context builders). One
-    `format` call: braces inside the prompt or the fields stay as they are."""
-    if isinstance(prompt, list):
-        text = template.format(prompt=last_user_text(prompt), **fields)
-        return [*prompt[:-1], {"role": "user", "content": text}]
-    return template.format(prompt=prompt, **fields)

@@ -35,7 +35,7 @@ from ..core.config import document_fields, option
 from ..online.config import OnlineConfig
 from ..online.importance_sampling import IMPORTANCE_SAMPLING_FIELDS, ImportanceSamplingConfig, ImportanceSamplingMixin
 from ..online.metrics import off_policy_mask
-from ..online.policy_losses import LOSS_TYPES, LOSSES, LossTerms, LossType, policy_loss_terms
+from ..online.policy_losses import LOSSES, LossTerms, LossType, PolicyLossConfig, policy_loss_terms
 from ..online.rewards import group_relative_advantages, nanstd
 from ..online.rollout import RolloutBatch
 from ..online.trainer import OnlineTrainer
@@ -43,7 +43,7 @@ from ..online.trainer import OnlineTrainer
 
 @document_fields
 @dataclass
-class GRPOConfig(ImportanceSamplingConfig, OnlineConfig):
+class GRPOConfig(PolicyLossConfig, ImportanceSamplingConfig, OnlineConfig):
     """Configuration of `GRPOTrainer`: every field of `trl.GRPOConfig` 1.16, same names and defaults."""
 
     _unimplemented_fields = {
@@ -60,10 +60,7 @@ class GRPOConfig(ImportanceSamplingConfig, OnlineConfig):
     vespo_lambda_pos: float = option(3.0, "VESPO decay λ for A >= 0.")
     vespo_k_neg: float = option(3.0, "VESPO power exponent k for A < 0.")
     vespo_lambda_neg: float = option(2.0, "VESPO decay λ for A < 0.")
-    importance_sampling_level: str = option("token", "Ratio per 'token' or per 'sequence' (GSPO).")
     multi_objective_aggregation: str = option("sum_then_normalize", "'sum_then_normalize' or 'normalize_then_sum'.")
-    scale_rewards: str = option("group", "Divide advantages by the 'group', 'batch' or 'none' std.")
-    loss_type: str = option("dapo", f"One of {', '.join(LOSS_TYPES)} (see the module docstring).")
     top_entropy_quantile: float = option(1.0, "Keep the top-ρ quantile of tokens by entropy.")
     entropy_coef: float = option(0.0, "Weight of the mean-token-entropy bonus. 0.0: off.")
     use_adaptive_entropy: bool = option(False, "Adapt entropy_coef each step (Skywork-OR1).")
@@ -77,17 +74,14 @@ class GRPOConfig(ImportanceSamplingConfig, OnlineConfig):
     _vllm_only_fields = (*OnlineConfig._vllm_only_fields, *IMPORTANCE_SAMPLING_FIELDS)
 
     def __post_init__(self):
-        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        self.check_policy_loss()
         super().__post_init__()
         self.check_importance_sampling()
-        for name, allowed in (
-            ("loss_type", LOSS_TYPES),
-            ("scale_rewards", ("group", "batch", "none")),
-            ("importance_sampling_level", ("token", "sequence")),
-            ("multi_objective_aggregation", ("sum_then_normalize", "normalize_then_sum")),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(allowed)}.")
+        aggregations = ("sum_then_normalize", "normalize_then_sum")
+        if self.multi_objective_aggregation not in aggregations:
+            raise ValueError(
+                f"multi_objective_aggregation={self.multi_objective_aggregation!r} is not one of {list(aggregations)}."
+            )
         LOSSES[self.loss_type].check(self)
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile={self.top_entropy_quantile} must be in [0, 1].")

@@ -16,12 +16,8 @@ from datasets import IterableDataset
 
 from ..core.config import document_fields, option
 from ..online.rollout import RolloutPlan
-from ..online.self_distillation import (
-    SelfDistillationConfig,
-    SelfDistillationCore,
-    fill_teacher_template,
-    privileged_text,
-)
+from ..online.self_distillation import SelfDistillationConfig, SelfDistillationCore
+from ..online.teacher_contexts import DemonstrationContext
 
 
 @document_fields
@@ -57,6 +53,7 @@ class SDFTTrainer(SelfDistillationCore):
 
     _name = "SDFT"
     config_class = SDFTConfig
+    teacher_context_class = DemonstrationContext  # the row's privileged_context in teacher_prompt_template
 
     def __init__(
         self,
@@ -101,16 +98,6 @@ class SDFTTrainer(SelfDistillationCore):
         return RolloutPlan(plan.old_logps_train and not self.args.generate_from_teacher, False)
 
     def generation_prompts(self, rows, prompts) -> list:
-        return self.compose_teacher_prompts(rows, prompts) if self.args.generate_from_teacher else prompts
-
-    def teacher_prompts(self, batch, samples, mode) -> list:
-        return self.compose_teacher_prompts(samples.rows, samples.prompts)
-
-    def compose_teacher_prompts(self, rows, prompts) -> list:
-        """TRL's `DemonstrationTeacherContextBuilder`: the template filled with the prompt (a conversation's last user
-        turn, the other turns kept) and the row's privileged context as text."""
-        template = self.args.teacher_prompt_template
-        return [
-            fill_teacher_template(template, prompt, privileged_context=privileged_text(row.get("privileged_context")))
-            for row, prompt in zip(rows, prompts, strict=True)
-        ]
+        if self.args.generate_from_teacher:
+            return self.teacher_context_builder.compose(rows, prompts)
+        return prompts

@@ -6,8 +6,8 @@ Each prompt x gets G completions and their rewards r (the weighted sum of the re
 scored reads 0). The teacher of completion y_i is the policy (an EMA of it by default) re-prompted with a successful
 sibling: the first y_j of the group with r_j >= `success_reward_threshold` (j ≠ i with `dont_reprompt_on_self_success`)
 written into `reprompt_template`, and with `include_environment_feedback` the row's `privileged_context` (the
-environment's feedback) too; rows with neither are left out of L_SD (`self_distillation_mask` = 0), still counted in
-its mean over rows. With w = `distillation_weight`:
+environment's feedback) too (`SuccessfulRolloutContext`, `online/teacher_contexts.py`); rows with neither are left
+out of L_SD (`self_distillation_mask` = 0), still counted in its mean over rows. With w = `distillation_weight`:
 
     L = (1 - w) L_PG + w L_SD,    L_PG = GRPO's clipped surrogate, -min(ρ_t A_i, clip(ρ_t, 1 - ε, 1 + ε_high) A_i),
 
@@ -18,17 +18,14 @@ or 1 ("none"). L_PG is normalised by `loss_type`: "grpo" the mean over rows of e
 pure self-distillation (the rewards only choose the demonstrations).
 """
 
-import logging
-import re
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import gather_object
 
 from ..core.config import document_fields, option
-from ..models.loading import get_tokenizer
 from ..online.metrics import DegenerateRoundWarnings
 from ..online.policy_losses import (
+    PolicyLossConfig,
     clipped_surrogate,
     per_max_length,
     per_micro_batch_token,
@@ -36,10 +33,9 @@ from ..online.policy_losses import (
     policy_loss_terms,
 )
 from ..online.rewards import group_relative_advantages
-from ..online.self_distillation import SelfDistillationConfig, SelfDistillationCore, fill_teacher_template
+from ..online.self_distillation import SelfDistillationConfig, SelfDistillationCore
+from ..online.teacher_contexts import SuccessfulRolloutContext
 
-
-logger = logging.getLogger(__name__)
 
 # SDPO's policy-loss normalisers (the online core's loss table's): "dapo" is the micro-batch's token mean here
 SDPO_NORMALISERS = {"grpo": per_sequence, "bnpo": per_micro_batch_token, "dr_grpo": per_max_length,
@@ -49,28 +45,18 @@ FLAT_REWARDS = (
     "Observed flat SDPO rewards across all sampled generations. Policy advantages will collapse to zero, and SDPO "
     "will not learn. Check reward density, reward shaping, or `success_reward_threshold`."
 )
-INACTIVE = (
-    "SDPO self-distillation is inactive because no reprompted samples were constructed. This usually means no "
-    "rollout exceeded `success_reward_threshold` and no usable privileged feedback was available."
-)
-NO_SUCCESS = (
-    "SDPO did not find any successful rollouts in the current generation groups. If this persists, reduce task "
-    "difficulty, adjust reward shaping, or lower `success_reward_threshold`."
-)
 
 
 @document_fields
 @dataclass
-class SDPOConfig(SelfDistillationConfig):
+class SDPOConfig(PolicyLossConfig, SelfDistillationConfig):
     """Configuration of `SDPOTrainer`: every field of `trl.experimental.sdpo.SDPOConfig` 1.16, same names and
     defaults; the sampling, vLLM and logging fields are the online core's."""
 
     _inapplicable_fields = ("beta", "async_rollouts")
     _inapplicable_reason = "SDPO (no reference model or KL term; rollouts are synchronous)"
+    _loss_types = SDPO_LOSS_TYPES
 
-    loss_type: str = option("dapo", "Normaliser of the policy loss: 'grpo', 'bnpo', 'dr_grpo' or 'dapo'.")
-    importance_sampling_level: str = option("token", "The ratio per 'token' or per 'sequence'.")
-    scale_rewards: str | bool = option("group", "Advantage scale: 'group', 'batch' or 'none' (True / False).")
     distillation_weight: float = option(1.0, "w in L = (1 - w) L_PG + w L_SD, in [0, 1].")
     distillation_alpha: float = option(1.0, "D's interpolation: 0 forward KL, 1 reverse KL, between: the JSD.")
     distillation_mode: str = option("sampled_token", "'sampled_token', 'full_logits' or 'topk_logits'.")
@@ -97,16 +83,10 @@ class SDPOConfig(SelfDistillationConfig):
     diagnostics_flat_tolerance: float = option(1e-8, "Reward spread below which rewards count as flat.")
 
     def __post_init__(self):
-        if isinstance(self.scale_rewards, bool):
-            self.scale_rewards = "group" if self.scale_rewards else "none"
+        self.check_policy_loss()
         super().__post_init__()
         if not 0.0 <= self.distillation_weight <= 1.0:
             raise ValueError(f"`distillation_weight` must be in [0, 1], got {self.distillation_weight}.")
-        if self.loss_type not in SDPO_LOSS_TYPES or self.scale_rewards not in ("group", "batch", "none"):
-            raise ValueError(
-                f"loss_type={self.loss_type!r} must be one of {SDPO_LOSS_TYPES} and scale_rewards="
-                f"{self.scale_rewards!r} one of 'group', 'batch', 'none'."
-            )
         if self.use_teacher_server and self.distillation_weight != 1.0:
             raise ValueError("`use_teacher_server=True` requires `distillation_weight=1.0` (no local policy loss).")
         self.epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
@@ -117,6 +97,7 @@ class SDPOTrainer(SelfDistillationCore):
 
     _name = "SDPO"
     config_class = SDPOConfig
+    teacher_context_class = SuccessfulRolloutContext  # a successful sibling or the feedback (its docstring's rule)
 
     def __init__(
         self,
@@ -135,7 +116,6 @@ class SDPOTrainer(SelfDistillationCore):
             raise ValueError("`reward_funcs` is required for SDPOTrainer because SDPO must score rollouts.")
         if train_dataset is None:
             raise ValueError("`train_dataset` is required")
-        self._feedback_warned = False  # the ignored-feedback warning, once
         super().__init__(
             model,
             reward_funcs,
@@ -193,73 +173,6 @@ class SDPOTrainer(SelfDistillationCore):
     def teacher_prompt_length(self) -> int:
         return self.args.max_reprompt_len  # reprompts keep their last tokens; the student's limit does not apply
 
-    def teacher_prompts(self, batch, samples, mode) -> list:
-        """TRL's `SuccessfulRolloutTeacherContextBuilder`, over the whole generation batch (all processes): each
-        row's demonstration (module docstring) and feedback, `batch.self_distillation_mask`, the context metrics."""
-        a, size = self.args, self.group_size(mode)
-        rewards = batch.gather_global(batch.rewards).nan_to_num(0.0).tolist()
-        pad_id = get_tokenizer(self.processing_class).pad_token_id
-        completions = self.accelerator.pad_across_processes(batch.completion_ids, dim=1, pad_index=pad_id)
-        completions = self.accelerator.gather(completions)
-        prompts = gather_object(list(samples.prompts))
-        feedbacks = gather_object([row.get("privileged_context") for row in samples.rows])
-        has_feedback = [isinstance(f, str) and f.strip() != "" for f in feedbacks]
-        demos = [None] * len(rewards)
-        if a.use_successful_as_teacher:
-            demos = successful_demonstrations(
-                rewards, size, a.success_reward_threshold, a.dont_reprompt_on_self_success
-            )
-        use_feedback = [
-            a.include_environment_feedback
-            and f
-            and not (a.environment_feedback_only_without_solution and d is not None)
-            for f, d in zip(has_feedback, demos, strict=True)
-        ]
-        mask = torch.tensor([float(d is not None or u) for d, u in zip(demos, use_feedback, strict=True)])
-        batch.self_distillation_mask = mask.to(batch.completion_ids.device)[batch.row_index]
-        if any(has_feedback) and not a.include_environment_feedback and not self._feedback_warned:
-            self._feedback_warned = True
-            logger.warning(
-                "SDPO received environment feedback (`privileged_context`) in the batch, but "
-                "`include_environment_feedback=False`, so it is being ignored (no reprompting from feedback). "
-                "Set `include_environment_feedback=True` to use it."
-            )
-        self._log_context_metrics(mode, rewards, size, demos, has_feedback, use_feedback, mask)
-        teacher_prompts = []
-        for i in batch.row_index.tolist():
-            solution = "" if demos[i] is None else self._solution_text(completions[demos[i]], pad_id)
-            feedback = a.feedback_template.format(feedback_raw=feedbacks[i]) if use_feedback[i] else ""
-            if solution or feedback:
-                fields = dict(solution=solution, feedback=feedback)
-                teacher_prompts.append(fill_teacher_template(a.reprompt_template, prompts[i], **fields))
-            else:  # neither a demonstration nor feedback: the teacher reads the prompt unchanged
-                teacher_prompts.append(prompts[i])
-        return teacher_prompts
-
-    def _solution_text(self, completion_ids, pad_id: int) -> str:
-        text = self.processing_class.decode(completion_ids[completion_ids != pad_id], skip_special_tokens=True)
-        if self.args.remove_thinking_from_demonstration:
-            text = re.sub(r"<think>.*?</think>", "", text, flags=re.DOTALL).strip()
-        return self.args.solution_template.format(successful_previous_attempt=text)
-
-    def _log_context_metrics(self, mode, rewards, size, demos, has_feedback, use_feedback, mask) -> None:
-        threshold, total = self.args.success_reward_threshold, max(len(rewards), 1)
-        groups = [rewards[start : start + size] for start in range(0, len(rewards), size)]
-        success_groups = sum(any(r >= threshold for r in group) for group in groups) / max(1, len(rewards) // size)
-        metrics = {
-            "success_group_fraction": success_groups,
-            "success_sample_fraction": sum(d is not None for d in demos) / total,
-            "feedback_available_fraction": sum(has_feedback) / total,
-            "feedback_used_fraction": sum(map(bool, use_feedback)) / total,
-            "reprompt_sample_fraction": mask.mean().item(),
-        }
-        for name, value in metrics.items():
-            self.log_metric(f"self_distillation/{name}", value)
-        tolerance = self.args.diagnostics_flat_tolerance
-        inactive = metrics["reprompt_sample_fraction"] <= tolerance
-        self._degenerate_rounds.observe(mode, "inactive_self_distillation", inactive, INACTIVE)
-        self._degenerate_rounds.observe(mode, "no_successful_rollouts", success_groups <= tolerance, NO_SUCCESS)
-
     # ------------------------------------------------------------------ the loss
     def compute_policy_loss(self, model, inputs, num_items_in_batch=None):
         weight = self.args.distillation_weight
@@ -283,15 +196,3 @@ class SDPOTrainer(SelfDistillationCore):
         loss = SDPO_NORMALISERS[self.loss_type](self, per_token_loss * mask, terms, 1.0, self.mode)
         self.log_metric("self_distillation/policy_loss", loss.item())
         return loss
-
-
-def successful_demonstrations(rewards: list[float], size: int, threshold: float, exclude_self: bool) -> list:
-    """For each row of the generation batch, the index of its demonstration: the first row of its group (groups of
-    `size` contiguous rows) whose reward reaches `threshold`, the row itself excluded with `exclude_self`; None where
-    there is none."""
-    demos = []
-    for i in range(len(rewards)):
-        start = i - i % size
-        candidates = [j for j in range(start, start + size) if not (exclude_self and j == i)]
-        demos.append(next((j for j in candidates if rewards[j] >= threshold), None))
-    return demos
