@@ -12,11 +12,13 @@ from peft import LoraConfig
 from tests.helpers import PROMPTS, UNSET, count_a, tiny_run_args
 from trl_unified import PPOConfig, PPOTrainer
 from trl_unified.online.critic import (
+    clipped_value_loss,
     gae_advantages,
     kl_per_token,
     masked_mean,
     masked_var,
     masked_whiten,
+    per_token_rewards,
     score_positions,
     value_mask,
 )
@@ -64,6 +66,34 @@ def test_kl_estimators_and_score_placement_by_hand():
     # one after the last token; the last token itself when the completion fills the width; 0 when empty
     assert score_positions(mask).tolist() == [2, 3, 0]
     assert value_mask(mask).tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]]
+
+
+def test_per_token_rewards_and_clipped_value_loss_by_hand():
+    kl = torch.tensor([[0.5, -1.0, 0.0], [0.2, 0.2, 0.2]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    rewards, non_score = per_token_rewards(torch.tensor([2.0, 3.0]), kl, 0.1, mask)
+    torch.testing.assert_close(non_score, -0.1 * kl)
+    # row 0: the score one after its last token; row 1 fills the width: on its last token
+    torch.testing.assert_close(rewards, torch.tensor([[-0.05, 0.1, 2.0], [-0.02, -0.02, 2.98]]))
+    values, old, returns = (
+        torch.tensor([[1.0, 0.0, 5.0]]),
+        torch.tensor([[0.5, 0.0, 0.0]]),
+        torch.tensor([[0.0, 1.0, 0.0]]),
+    )
+    loss, clipfrac = clipped_value_loss(values, old, returns, 0.2, torch.tensor([[1.0, 1.0, 0.0]]))
+    # position 0: clip(1.0) = 0.7, max(1.0², 0.7²) = 1.0; position 1: unclipped, 1.0; position 2 masked out
+    torch.testing.assert_close(loss, torch.tensor(0.5 * (1.0 + 1.0) / 2))
+    torch.testing.assert_close(clipfrac, torch.tensor(0.0))
+    loss, clipfrac = clipped_value_loss(
+        torch.tensor([[-1.0]]), torch.tensor([[0.0]]), torch.tensor([[1.0]]), 0.5, torch.ones(1, 1)
+    )
+    torch.testing.assert_close(loss, torch.tensor(0.5 * 4.0))  # clip(-1) = -0.5: (−1 − 1)² = 4 > (−0.5 − 1)² = 2.25
+    assert clipfrac.item() == 0.0
+    loss, clipfrac = clipped_value_loss(
+        torch.tensor([[2.0]]), torch.tensor([[0.0]]), torch.tensor([[1.5]]), 0.5, torch.ones(1, 1)
+    )
+    torch.testing.assert_close(loss, torch.tensor(0.5 * 1.0))  # clip(2) = 0.5: (0.5 − 1.5)² = 1 > (2 − 1.5)² = 0.25
+    assert clipfrac.item() == 1.0
 
 
 # ------------------------------------------------------------------ the trainer

@@ -12,7 +12,10 @@ arXiv:1506.02438), over completion positions t of one row, with M_t = 1 up to th
 
 with V_t the value of the state before token t (0 beyond T + 1) and the score placed one position after the last
 token (TRL's convention: the value of the state after EOS is learned too). Advantages are whitened over the
-process's batch (mean 0, variance 1 over M); rewards optionally too (`whiten_rewards`, mean kept).
+process's batch (mean 0, variance 1 over M); rewards optionally too (`whiten_rewards`, mean kept). The critic learns
+from PPO's clipped value loss over the positions it is trained on (`value_mask`):
+
+    L_V = 1/2 mean max((V_t - R_t)², (clip(V_t, V_old_t - ε_v, V_old_t + ε_v) - R_t)²)
 """
 
 import contextlib
@@ -80,6 +83,25 @@ def score_positions(completion_mask: torch.Tensor) -> torch.Tensor:
     """`(B,)` where each row's score is added: one position after its last completion token, or the last token
     itself when the completion fills the width (TRL's PPO)."""
     return completion_mask.sum(1).clamp(max=completion_mask.size(1) - 1).clamp(min=0)
+
+
+def per_token_rewards(scores, kl, kl_coef: float, completion_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """The module docstring's r_t: `(token_rewards, non_score)`, both `(B, C)`, with non_score = -kl_coef · KL_t
+    (`kl` already masked) and each row's score `(B,)` added at its `score_positions`."""
+    non_score = -kl_coef * kl
+    token_rewards = non_score.clone()
+    token_rewards[torch.arange(len(scores), device=scores.device), score_positions(completion_mask)] += scores
+    return token_rewards, non_score
+
+
+def clipped_value_loss(values, old_values, returns, cliprange_value: float, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value loss (Schulman et al., 2017; TRL's PPO), over the masked positions:
+    1/2 mean max((V - R)², (clip(V, V_old - ε_v, V_old + ε_v) - R)²); and the fraction of positions where the
+    clipped term is the larger (`val/clipfrac_avg`)."""
+    clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
+    unclipped_loss, clipped_loss = (values - returns) ** 2, (clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(unclipped_loss, clipped_loss), mask)
+    return loss, masked_mean((clipped_loss > unclipped_loss).float(), mask)
 
 
 def value_mask(completion_mask: torch.Tensor) -> torch.Tensor:
@@ -239,6 +261,15 @@ class CriticMixin:
         with self.accelerator.autocast():
             parts = [self.value_head(input_ids[r], attention_mask[r], positions[r], width) for r in rows]
         return torch.cat(parts)
+
+    def critic_advantages(self, batch, token_rewards, gamma: float, lam: float, chunk: int | None = None) -> None:
+        """GAE over the critic's values (module docstring): `batch.values` `(B, C)` (0 outside `value_mask`),
+        `batch.returns` = A + V, and `batch.advantages`, A whitened over the loss tokens (0 elsewhere)."""
+        batch.values = self.token_values(batch, chunk=chunk) * value_mask(batch.completion_mask).float()
+        advantages = gae_advantages(token_rewards, batch.values, gamma, lam)
+        batch.returns = advantages + batch.values
+        mask = batch.loss_mask.float()
+        batch.advantages = masked_whiten(advantages, mask) * mask
 
     def optimizer_steps_per_rollout(self) -> int:
         """How many optimiser steps share one learning rate (1: the Trainer's schedule)."""

@@ -24,13 +24,13 @@ from ..online.completion_log import sample_generations
 from ..online.config import OnlineConfig
 from ..online.critic import (
     CriticMixin,
-    gae_advantages,
+    clipped_value_loss,
     kl_per_token,
     masked_mean,
     masked_var,
     masked_whiten,
+    per_token_rewards,
     rlhf_objective_metrics,
-    score_positions,
     value_mask,
 )
 from ..online.rewards import TokenIdsRewardModel, as_list
@@ -223,21 +223,17 @@ class PPOTrainer(CriticMixin, OnlineTrainer):
 
     # ------------------------------------------------------------------ per-token rewards and GAE
     def assign_advantages(self, rewards, rewards_per_func, batch: RolloutBatch, mode: str):
-        args, mask, n = self.args, batch.loss_mask.float(), len(batch)
+        args, mask = self.args, batch.loss_mask.float()
         eos = get_tokenizer(self.processing_class).eos_token_id
         eos_tokens = (batch.completion_ids == eos) & batch.completion_mask.bool()  # TRL penalises a missing EOS
         scores = batch.rewards.nan_to_num(0.0) - (args.missing_eos_penalty or 0.0) * (~eos_tokens.any(1)).float()
         kl = kl_per_token(batch.old_logps, batch.ref_logps, args.kl_estimator) * mask  # (B, C)
-        non_score = -args.kl_coef * kl
-        token_rewards = non_score.clone()
-        token_rewards[torch.arange(n, device=scores.device), score_positions(batch.completion_mask)] += scores
-        v_mask = value_mask(batch.completion_mask).float()
+        token_rewards, non_score = per_token_rewards(scores, kl, args.kl_coef, batch.completion_mask)
         if args.whiten_rewards:
+            v_mask = value_mask(batch.completion_mask).float()
             token_rewards = masked_whiten(token_rewards, v_mask, shift_mean=False) * v_mask
-        batch.values = self.token_values(batch, chunk=args.local_rollout_forward_batch_size) * v_mask
-        advantages = gae_advantages(token_rewards, batch.values, args.gamma, args.lam)  # (B, C)
-        batch.returns = advantages + batch.values
-        batch.advantages = masked_whiten(advantages, mask) * mask
+        chunk = args.local_rollout_forward_batch_size
+        self.critic_advantages(batch, token_rewards, args.gamma, args.lam, chunk)  # values, returns, advantages
         for name, value in rlhf_objective_metrics(kl, non_score, scores, batch.old_logps, mask).items():
             self.log_metric(name, self.accelerator.gather_for_metrics(value).mean().item())
         self.log_metric("val/num_eos_tokens", eos_tokens.sum())
@@ -263,15 +259,13 @@ class PPOTrainer(CriticMixin, OnlineTrainer):
         pg_losses2 = -inputs.advantages * ratio.clamp(1 - args.cliprange, 1 + args.cliprange)
         pg_loss = masked_mean(torch.max(pg_losses, pg_losses2), mask)
         values = self.value_head.take_values() * v_mask
-        clipped = torch.clamp(values, inputs.values - args.cliprange_value, inputs.values + args.cliprange_value)
-        vf_losses, vf_losses2 = (values - inputs.returns) ** 2, (clipped - inputs.returns) ** 2
-        vf_loss = 0.5 * masked_mean(torch.max(vf_losses, vf_losses2), v_mask)
+        vf_loss, vf_clipfrac = clipped_value_loss(values, inputs.values, inputs.returns, args.cliprange_value, v_mask)
         with torch.no_grad():
             self.log_metric("policy/approxkl_avg", (0.5 * (log_ratio**2).mean()).item())
             self.log_metric("policy/clipfrac_avg", masked_mean((pg_losses2 > pg_losses).float(), mask).item())
             self.log_metric("loss/policy_avg", pg_loss.item())
             self.log_metric("loss/value_avg", vf_loss.item())
-            self.log_metric("val/clipfrac_avg", masked_mean((vf_losses2 > vf_losses).float(), v_mask).item())
+            self.log_metric("val/clipfrac_avg", vf_clipfrac.item())
             self.log_metric("policy/entropy_avg", out.entropy.mean().item())
             self.log_metric("val/ratio", ratio.mean().item())
         return pg_loss + args.vf_coef * vf_loss
