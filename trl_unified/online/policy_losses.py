@@ -224,7 +224,7 @@ class PolicyLossConfig:
 
     loss_type: str = option("dapo", "The policy loss, an entry of the loss table (online/policy_losses.py).")
     importance_sampling_level: str = option("token", "The ratio per 'token' or per 'sequence' (GSPO).")
-    scale_rewards: str | bool = option(
+    scale_rewards: str = option(
         "group", "Divide advantages by the 'group', 'batch' or 'none' std (True: 'group', False: 'none')."
     )
 
