@@ -1,7 +1,9 @@
-"""Speed and memory of an online trainer of trl_unified (RLOO, GRPO, online DPO, GMPO or A*-PO) vs TRL's of the same
-name, same workload, in one run. `benchmarks/{rloo,grpo,online_dpo,gmpo,a2po}_vs_trl.py` call this with their trainer
-(online DPO: the same completions per step, half as many prompts with 2 completions each, beta 0.1; A*-PO: one
-completion per prompt, V* from 2 reference samples of each prompt the timed steps read, estimated before them).
+"""Speed and memory of an online trainer of trl_unified (RLOO, GRPO, online DPO, GMPO, A*-PO or SDPO) vs TRL's of the
+same name, same workload, in one run. `benchmarks/{rloo,grpo,online_dpo,gmpo,a2po,sdpo}_vs_trl.py` call this with
+their trainer (online DPO: the same completions per step, half as many prompts with 2 completions each, beta 0.1;
+A*-PO: one completion per prompt, V* from 2 reference samples of each prompt the timed steps read, estimated before
+them; SDPO: its defaults, no KL term, with `success_reward_threshold=0` so that every row has a successful sibling
+and the EMA teacher reads every row's reprompt).
 
 Model: Qwen2-style, 33.8M parameters, built locally (random weights, 8k word-level vocabulary); 32 new tokens, beta
 0.05, gradient checkpointing off, fp32 on CPU, 10 steps. Workloads (`--workload`, default both):
@@ -48,6 +50,7 @@ TRL_MODULES = {  # TRL's trainers outside `trl`
     "online_dpo": "trl.experimental.online_dpo",
     "gmpo": "trl.experimental.gmpo",
     "a2po": "trl.experimental.a2po",
+    "sdpo": "trl.experimental.sdpo",
 }  # TRL's trainers outside `trl`
 
 
@@ -90,13 +93,17 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
     from transformers import PreTrainedTokenizerFast
 
     library = importlib.import_module("trl_unified" if impl == "ours" else TRL_MODULES.get(trainer, "trl"))
-    name = {"rloo": "RLOO", "grpo": "GRPO", "online_dpo": "OnlineDPO", "gmpo": "GMPO", "a2po": "A2PO"}[trainer]
+    name = {"rloo": "RLOO", "grpo": "GRPO", "online_dpo": "OnlineDPO", "gmpo": "GMPO", "a2po": "A2PO", "sdpo": "SDPO"}
+    name = name[trainer]
     config_class, trainer_class = getattr(library, f"{name}Config"), getattr(library, f"{name}Trainer")
     if trainer == "online_dpo":  # batch counts prompts (2 completions each), the length is max_new_tokens
         shape = dict(per_device_train_batch_size=workload["batch_size"] // 2, max_new_tokens=32, beta=0.1)
     elif trainer == "a2po":  # one completion per prompt; V* from 2 reference samples (before the timed steps)
         shape = dict(per_device_train_batch_size=workload["batch_size"], max_completion_length=32,
                      num_value_samples=2, filter_all_incorrect=False)  # fmt: skip
+    elif trainer == "sdpo":  # no KL term; every row reprompted with a sibling (the teacher forward always runs)
+        shape = dict(per_device_train_batch_size=workload["batch_size"], num_generations=workload["num_generations"],
+                     max_completion_length=32, success_reward_threshold=0.0)  # fmt: skip
     else:
         shape = dict(per_device_train_batch_size=workload["batch_size"], num_generations=workload["num_generations"],
                      max_completion_length=32, beta=0.05)  # fmt: skip
@@ -142,7 +149,7 @@ def run_one(trainer: str, impl: str, model_path: str, steps: int, out: str, work
         phases.watch("generation", policy_trainer, "_generate")
     else:  # TRL's A*-PO samples with the policy's `generate` inside `_prepare_inputs`
         phases.watch("generation", policy_trainer.model, "generate")
-    if policy_trainer.ref_model is not None:
+    if getattr(policy_trainer, "ref_model", None) is not None:
         phases.watch("reference", policy_trainer.ref_model)
     policy_trainer.train()
     history = policy_trainer.state.log_history

@@ -364,3 +364,80 @@ def test_sdpo_learns_a_binary_reward(tokenizer, tmp_path):
     key = "self_distillation/reward_mean"
     rewards = [log[key] for log in trainer.state.log_history if key in log]
     assert mean(rewards[-8:]) > mean(rewards[:8]) + 0.2, rewards
+
+
+def test_sampled_token_distillation_reads_no_vocabulary_logits(tokenizer, tmp_path, monkeypatch):
+    """SDPO's default (`sampled_token`) reads only the sampled tokens' log-probs: the student's and the teacher's
+    forwards take the core's log-prob path (a group's prompt encoded once, the chunked head), never `(B, C, V)`
+    logits."""
+    from trl_unified.core import trainer as core_trainer
+    from trl_unified.online.self_distillation import SelfDistillationCore
+
+    calls = []
+    original = core_trainer.compute_token_logprobs
+    monkeypatch.setattr(core_trainer, "compute_token_logprobs", lambda *a, **k: calls.append(k) or original(*a, **k))
+    monkeypatch.setattr(SelfDistillationCore, "completion_logits", lambda *a, **k: pytest.fail("(B, C, V) logits"))
+    args = tiny_run_args(SDPOConfig, tmp_path, max_steps=1, per_device_train_batch_size=4, num_generations=2,
+                         max_completion_length=4, success_reward_threshold=0.0)  # fmt: skip
+    prompts = Dataset.from_dict({"prompt": PROMPTS[:4]})
+    trainer = SDPOTrainer(
+        build_causal_lm(tokenizer), contains_a, args=args, train_dataset=prompts, processing_class=tokenizer
+    )
+    trainer.train()
+    assert trainer.args.distillation_mode == "sampled_token" and trainer.args.distillation_weight == 1.0
+    assert len(calls) >= 2 and all(k["from_hidden_states"] for k in calls)  # the student's and the teacher's
+    assert any(k.get("shared_prefix") for k in calls)  # the student's group of 2 reads its prompt once
+    assert any(name.endswith("distillation_loss") for log in trainer.state.log_history for name in log)
+
+
+class LocalTeacherClient:
+    """A stand-in for the vLLM server's `get_sequence_logprobs`: each unpadded sequence scored by `model` here."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def get_sequence_logprobs(self, sequences, prompt_lengths, top_logprobs, temperature):
+        out = {"actual_logprobs": [], "logprobs": [], "logprob_token_ids": []}
+        for ids, start in zip(sequences, prompt_lengths, strict=True):
+            with torch.no_grad():
+                logps = (self.model(torch.tensor([ids])).logits[0, :-1] / temperature).log_softmax(-1)[start - 1 :]
+            top = logps.topk(top_logprobs, dim=-1)
+            out["actual_logprobs"].append([[logps[t, token].item()] for t, token in enumerate(ids[start:])])
+            out["logprobs"].append(top.values.tolist())
+            out["logprob_token_ids"].append(top.indices.tolist())
+        return out
+
+
+@pytest.mark.parametrize("mode", ["sampled_token", "topk_logits"])
+def test_sdpo_teacher_on_a_server(tokenizer, tmp_path, mode):
+    """The live teacher scored by a server (`use_teacher_server`; here a stand-in client scoring with the same
+    weights): `sampled_token` equals the local live teacher's loss; `topk_logits` is D on the teacher's top-k,
+    by hand (reverse KL, α = 1)."""
+    config = dict(distillation_mode=mode, distillation_topk=3 if mode == "topk_logits" else None)
+    args = tiny_run_args(SDPOConfig, tmp_path, teacher_model_kind="live", num_generations=2,
+                         per_device_train_batch_size=2, max_completion_length=4, **config)  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": PROMPTS[:2]})
+    trainer = SDPOTrainer(build_causal_lm(tokenizer), contains_a, args=args, train_dataset=dataset,
+                          processing_class=tokenizer)  # fmt: skip
+    trainer.model.train()
+    batch = fixed_batch()
+    batch["self_distillation_mask"] = torch.ones(2)
+    local = trainer.compute_loss(trainer.model, dict(batch))
+    trainer.use_teacher_server, trainer.teacher_client = True, LocalTeacherClient(trainer.model)
+    served = trainer.compute_loss(trainer.model, dict(batch))
+    if mode == "sampled_token":
+        torch.testing.assert_close(served, local, rtol=1e-5, atol=1e-6)
+        return
+    # by hand: the student's and the teacher's log-probs on the teacher's top-3 tokens, renormalised there
+    student = trainer.student_outputs(trainer.model, batch).logits.log_softmax(-1)
+    with torch.no_grad():
+        teacher = trainer.completion_logits(trainer.model, batch["teacher_input_ids"],
+                                            batch["teacher_attention_mask"], 4).log_softmax(-1)  # fmt: skip
+    top = teacher.topk(3, dim=-1)
+    s, t = student.gather(-1, top.indices).log_softmax(-1), top.values.log_softmax(-1)
+    per_token = (s.exp() * (s - t)).sum(-1)  # reverse KL on the support
+    weights = torch.exp(student.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+                        - batch["old_per_token_logps"]).clamp(max=2.0)  # fmt: skip
+    mask = batch["completion_mask"].float()
+    expected = ((per_token * weights * mask).sum(-1) / mask.sum(-1)).mean()
+    torch.testing.assert_close(served, expected, rtol=1e-4, atol=1e-5)

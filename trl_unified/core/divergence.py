@@ -192,6 +192,12 @@ def topk_generalized_jsd_loss(
 SELF_DISTILLATION_MODES = ("sampled_token", "full_logits", "topk_logits")
 
 
+def sampled_token_divergence(student_logps: torch.Tensor, teacher_logps: torch.Tensor) -> torch.Tensor:
+    """The REINFORCE estimator of reverse KL's gradient on the sampled tokens y, from their log-probs `(B, C)`:
+    sg(log p_S(y) - log p_T(y)) · log p_S(y) (its value is not a divergence)."""
+    return (student_logps - teacher_logps).detach() * student_logps
+
+
 def self_distillation_divergence(
     student_logits, teacher_logits, completion_ids, mode: str, alpha: float, top_k=None, add_tail: bool = False
 ) -> torch.Tensor:
@@ -212,7 +218,7 @@ def self_distillation_divergence(
             )
         student = student_logits.log_softmax(-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
         teacher = teacher_logits.log_softmax(-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-        return (student - teacher).detach() * student
+        return sampled_token_divergence(student, teacher)
     student, teacher = student_logits.log_softmax(-1), teacher_logits.log_softmax(-1)
     if mode == "full_logits":
         return jsd_divergence(student, teacher, alpha).sum(-1)

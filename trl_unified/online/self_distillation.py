@@ -28,6 +28,7 @@ from ..core.config import document_fields, option
 from ..core.divergence import (
     SELF_DISTILLATION_MODES,
     clipped_importance_weights,
+    sampled_token_divergence,
     self_distillation_divergence,
     support_divergence,
 )
@@ -104,6 +105,15 @@ class SelfDistillationBatch(RolloutBatch):
     teacher_input_ids: torch.Tensor | None = None
     teacher_attention_mask: torch.Tensor | None = None
     self_distillation_mask: torch.Tensor | None = None
+
+
+@dataclass
+class StudentOutputs:
+    """The student's side of a micro-batch: `logps` `(B, C)`, the completion tokens' log-probs (with grad), and
+    `logits` `(B, C, V)` at the temperature where the loss reads whole distributions (else None)."""
+
+    logps: torch.Tensor
+    logits: torch.Tensor | None = None
 
 
 class _UpdateSelfTeacher(TrainerCallback):
@@ -250,45 +260,60 @@ class SelfDistillationCore(OnlineTrainer):
         rows = inputs.get("self_distillation_mask")
         return mask * rows.unsqueeze(1) if rows is not None else mask
 
+    def reads_whole_distributions(self) -> bool:
+        """Whether the loss reads the student's and the teacher's distributions over the vocabulary (`full_logits`,
+        `topk_logits`), or only the sampled tokens' log-probs (`sampled_token`): both forwards then take the core's
+        log-prob path (each distinct prompt encoded once, the chunked head), with no `(B, C, V)` logits."""
+        return self.args.distillation_mode != "sampled_token"
+
     def completion_logits(self, model, input_ids, attention_mask, width: int) -> torch.Tensor:
         """`(B, C, V)` logits at the C completion positions, divided by the temperature (TRL's `_forward_logits`)."""
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=width + 1)
         return logits.logits[:, :-1][:, -width:] / self.temperature
 
-    def student_logits(self, model, inputs) -> torch.Tensor:
-        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    def student_outputs(self, model, inputs) -> StudentOutputs:
+        """The student's forward over prompt + completion: the completion tokens' log-probs, and their logits where
+        `reads_whole_distributions`."""
+        completion_ids, width = inputs["completion_ids"], inputs["completion_ids"].size(1)
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        return self.completion_logits(model, input_ids, attention_mask, inputs["completion_ids"].size(1))
+        if not self.reads_whole_distributions():
+            return StudentOutputs(self.token_logprobs(model, input_ids, attention_mask, width).logps)
+        logits = self.completion_logits(model, input_ids, attention_mask, width)
+        return StudentOutputs(logits.log_softmax(-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1), logits)
 
-    def teacher_logits(self, model, inputs) -> torch.Tensor:
+    def teacher_outputs(self, model, inputs) -> torch.Tensor:
+        """The self-teacher's forward over its prompt + the completion, without grad: `(B, C, V)` logits where
+        `reads_whole_distributions`, else the completion tokens' log-probs `(B, C)`."""
         width = inputs["completion_ids"].size(1)
+        ids, attention_mask = inputs["teacher_input_ids"], inputs["teacher_attention_mask"]
         with torch.no_grad(), self.self_teacher.use(model, self.accelerator) as teacher:
-            return self.completion_logits(
-                teacher, inputs["teacher_input_ids"], inputs["teacher_attention_mask"], width
-            )
+            if not self.reads_whole_distributions():
+                return self.token_logprobs(teacher, ids, attention_mask, width).logps
+            return self.completion_logits(teacher, ids, attention_mask, width)
 
     def compute_policy_loss(self, model, inputs, num_items_in_batch=None):
-        student_logits = self.student_logits(model, inputs)
-        return self.distillation_loss(model, inputs, student_logits)
+        return self.distillation_loss(model, inputs, self.student_outputs(model, inputs))
 
-    def distillation_loss(self, model, inputs, student_logits) -> torch.Tensor:
+    def distillation_loss(self, model, inputs, student: StudentOutputs) -> torch.Tensor:
         """The module docstring's loss for a micro-batch (`SelfDistillationBatch` or a dict in TRL's keys), logged as
         `self_distillation/distillation_loss` and `<trainer>/distillation_loss`; the teacher on the server when
         `use_teacher_server`."""
         mask = self.distillation_mask(inputs)
         if mask.sum() == 0:
             self._log_distillation(0.0)
-            return student_logits.sum() * 0.0  # zero gradients, graph kept
-        a, completion_ids = self.args, inputs["completion_ids"]
-        student_logps = student_logits.log_softmax(-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+            return student.logps.sum() * 0.0  # zero gradients, graph kept
+        a = self.args
         if self.use_teacher_server:
-            per_token = self.server_divergence(inputs, student_logits, student_logps, mask)
+            per_token = self.server_divergence(inputs, student, mask)
+        elif student.logits is None:
+            per_token = sampled_token_divergence(student.logps, self.teacher_outputs(model, inputs))
         else:
-            teacher_logits = self.teacher_logits(model, inputs)
+            teacher_logits = self.teacher_outputs(model, inputs)
             per_token = self_distillation_divergence(
-                student_logits,
+                student.logits,
                 teacher_logits,
-                completion_ids,
+                inputs["completion_ids"],
                 a.distillation_mode,
                 a.distillation_alpha,
                 a.distillation_topk,
@@ -296,7 +321,7 @@ class SelfDistillationCore(OnlineTrainer):
             )
         old_logps = inputs.get("old_logps", inputs.get("old_per_token_logps"))
         if a.distillation_is_clip is not None and old_logps is not None:
-            per_token = per_token * clipped_importance_weights(student_logps, old_logps, a.distillation_is_clip)
+            per_token = per_token * clipped_importance_weights(student.logps, old_logps, a.distillation_is_clip)
         masked = per_token * mask
         loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean()  # per-row token mean, then over all rows
         self._log_distillation((masked.sum() / mask.sum().clamp(min=1)).item())
@@ -306,7 +331,7 @@ class SelfDistillationCore(OnlineTrainer):
         self.log_metric("self_distillation/distillation_loss", value)
         self.log_metric(f"{self._name.lower()}/distillation_loss", value)
 
-    def server_divergence(self, inputs, student_logits, student_logps, mask) -> torch.Tensor:
+    def server_divergence(self, inputs, student: StudentOutputs, mask) -> torch.Tensor:
         """The per-token loss with the live teacher scored by the vLLM generation server (its weights synced first):
         the sampled token's log-prob (`sampled_token`), or the teacher's top-k (`topk_logits`, D on the teacher's
         support, as TRL: the server cannot score the student's)."""
@@ -318,12 +343,12 @@ class SelfDistillationCore(OnlineTrainer):
         if (required & ~torch.isfinite(teacher_logps)).any():
             raise ValueError("Teacher server returned no logprob for a required completion token.")
         teacher_logps = torch.where(required, teacher_logps, torch.zeros_like(teacher_logps))
-        difference = ((student_logps.detach() - teacher_logps).abs() * mask).sum() / mask.sum().clamp(min=1)
+        difference = ((student.logps.detach() - teacher_logps).abs() * mask).sum() / mask.sum().clamp(min=1)
         self.log_metric("self_distillation/server_logprob_abs_diff", difference.item())
         if self.args.distillation_mode == "sampled_token":
-            return (student_logps - teacher_logps).detach() * student_logps
+            return sampled_token_divergence(student.logps, teacher_logps)
         keep = required.unsqueeze(-1)
-        student_topk = student_logits.log_softmax(-1).gather(-1, teacher["topk_token_ids"])
+        student_topk = student.logits.log_softmax(-1).gather(-1, teacher["topk_token_ids"])
         student_topk = torch.where(keep, student_topk, torch.zeros_like(student_topk))
         teacher_topk = torch.where(keep, teacher["topk_logprobs"], torch.zeros_like(teacher["topk_logprobs"]))
         return support_divergence(

@@ -174,20 +174,23 @@ class SDPOTrainer(SelfDistillationCore):
         return self.args.max_reprompt_len  # reprompts keep their last tokens; the student's limit does not apply
 
     # ------------------------------------------------------------------ the loss
+    def reads_whole_distributions(self) -> bool:
+        return self.args.distillation_weight > 0.0 and super().reads_whole_distributions()  # L_PG reads logps
+
     def compute_policy_loss(self, model, inputs, num_items_in_batch=None):
         weight = self.args.distillation_weight
-        student_logits = self.student_logits(model, inputs)
+        student = self.student_outputs(model, inputs)
         if weight == 0.0:
-            return self.policy_loss(inputs, student_logits)  # no teacher forward
-        distillation = self.distillation_loss(model, inputs, student_logits)
+            return self.policy_loss(inputs, student.logps)  # no teacher forward
+        distillation = self.distillation_loss(model, inputs, student)
         if weight == 1.0:
             return distillation
-        return (1 - weight) * self.policy_loss(inputs, student_logits) + weight * distillation
+        return (1 - weight) * self.policy_loss(inputs, student.logps) + weight * distillation
 
-    def policy_loss(self, inputs, student_logits) -> torch.Tensor:
-        """L_PG of the module docstring for a micro-batch, logged as `self_distillation/policy_loss`."""
-        mask, ids = inputs["completion_mask"], inputs["completion_ids"]
-        logps = student_logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    def policy_loss(self, inputs, logps) -> torch.Tensor:
+        """L_PG of the module docstring for a micro-batch, from the completion tokens' log-probs `(B, C)`, logged as
+        `self_distillation/policy_loss`."""
+        mask = inputs["completion_mask"]
         old_logps = inputs.get("old_logps", inputs.get("old_per_token_logps"))
         bounds = (1 - self.epsilon_low, 1 + self.epsilon_high)
         level, advantages = self.importance_sampling_level, inputs["advantages"]
