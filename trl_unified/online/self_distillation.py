@@ -12,10 +12,9 @@ token gives 0 with the student's graph kept. Both models' logits are divided by 
 
 A trainer names the teacher's context (`teacher_context_class`, `online/teacher_contexts.py`: SDFT, the row's
 demonstration; SDPO, a successful sibling rollout or the environment's feedback) and, for SDPO, its rewards and policy
-loss; the core does the teacher's inputs,
-both forwards, the divergence, the teacher on the vLLM generation server (`use_teacher_server`, live teacher), the
-EMA updates, and TRL's callback events (`on_generation_prompts_selected`, `on_self_distillation_batch_prepared`,
-`on_generation_batch_built`).
+loss; the core does the teacher's inputs, both forwards, the divergence, the teacher on the vLLM generation server
+(`use_teacher_server`, live teacher), the EMA updates, and TRL's callback events (`on_generation_prompts_selected`,
+`on_self_distillation_batch_prepared`, `on_generation_batch_built`).
 """
 
 from dataclasses import dataclass
@@ -282,15 +281,21 @@ class SelfDistillationCore(OnlineTrainer):
         logits = self.completion_logits(model, input_ids, attention_mask, width)
         return StudentOutputs(logits.log_softmax(-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1), logits)
 
-    def teacher_outputs(self, model, inputs) -> torch.Tensor:
-        """The self-teacher's forward over its prompt + the completion, without grad: `(B, C, V)` logits where
-        `reads_whole_distributions`, else the completion tokens' log-probs `(B, C)`."""
+    def teacher_logits(self, model, inputs) -> torch.Tensor:
+        """`(B, C, V)`: the self-teacher's logits at the completion positions, on its prompt, without grad."""
         width = inputs["completion_ids"].size(1)
-        ids, attention_mask = inputs["teacher_input_ids"], inputs["teacher_attention_mask"]
         with torch.no_grad(), self.self_teacher.use(model, self.accelerator) as teacher:
-            if not self.reads_whole_distributions():
-                return self.token_logprobs(teacher, ids, attention_mask, width).logps
-            return self.completion_logits(teacher, ids, attention_mask, width)
+            return self.completion_logits(
+                teacher, inputs["teacher_input_ids"], inputs["teacher_attention_mask"], width
+            )
+
+    def teacher_token_logps(self, model, inputs) -> torch.Tensor:
+        """`(B, C)`: the self-teacher's log-probs of the completion tokens, on its prompt, without grad (the core's
+        log-prob path)."""
+        width = inputs["completion_ids"].size(1)
+        with torch.no_grad(), self.self_teacher.use(model, self.accelerator) as teacher:
+            ids, attention_mask = inputs["teacher_input_ids"], inputs["teacher_attention_mask"]
+            return self.token_logprobs(teacher, ids, attention_mask, width).logps
 
     def compute_policy_loss(self, model, inputs, num_items_in_batch=None):
         return self.distillation_loss(model, inputs, self.student_outputs(model, inputs))
@@ -306,13 +311,12 @@ class SelfDistillationCore(OnlineTrainer):
         a = self.args
         if self.use_teacher_server:
             per_token = self.server_divergence(inputs, student, mask)
-        elif student.logits is None:
-            per_token = sampled_token_divergence(student.logps, self.teacher_outputs(model, inputs))
+        elif student.logits is None:  # sampled_token
+            per_token = sampled_token_divergence(student.logps, self.teacher_token_logps(model, inputs))
         else:
-            teacher_logits = self.teacher_outputs(model, inputs)
             per_token = self_distillation_divergence(
                 student.logits,
-                teacher_logits,
+                self.teacher_logits(model, inputs),
                 inputs["completion_ids"],
                 a.distillation_mode,
                 a.distillation_alpha,
