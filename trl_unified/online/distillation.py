@@ -455,7 +455,8 @@ def teacher_support_divergence(
 ):
     """D at N positions from what a teacher server reports there (TRL's ServerDistillation losses): forward KL on
     its top-k at beta = 0; otherwise the generalized JSD on its top-1 and the sampled token (`top1_support`).
-    `student_log_probs` `(N, V)`; the sampled token's teacher log-prob `(N,)`; its top-k `(N, K)`."""
+    `student_log_probs` `(N, V)`; the sampled token's teacher log-prob `(N,)`; its top-k `(N, K)`. The caller checks
+    that they cover what D reads (`check_teacher_support`, once per batch, as `student_support_divergence` does)."""
     if beta == 0:
         ids, log_probs, mask = topk_ids, topk_log_probs, topk_log_probs > -torch.inf
         if with_sampled:  # the sampled token too, where it is outside the top-k and scored
@@ -464,7 +465,6 @@ def teacher_support_divergence(
             log_probs = torch.cat([log_probs, sampled_log_probs[:, None]], dim=-1)
             mask = torch.cat([mask, outside[:, None]], dim=-1)
         return sparse_divergence(student_log_probs, ids, log_probs, mask, 0.0, add_tail)
-    check_teacher_support(sampled_log_probs, topk_log_probs, beta)
     ids, log_probs, mask = top1_support(topk_ids[:, 0], topk_log_probs[:, 0], sampled_ids, sampled_log_probs, beta)
     return sparse_divergence(student_log_probs, ids, log_probs, mask, beta, add_tail)
 

@@ -20,7 +20,6 @@ import logging
 import re
 
 import torch
-from accelerate.utils import gather_object
 
 from ..models.loading import get_tokenizer
 from .metrics import DegenerateRoundWarnings
@@ -84,9 +83,9 @@ class SuccessfulRolloutContext(TeacherContext):
         prompts and `batch.self_distillation_mask`, and TRL's context metrics are logged."""
         a, size = self.trainer.args, self.trainer.group_size(mode)
         rewards = batch.gather_global(batch.rewards).nan_to_num(0.0).tolist()
-        prompts = gather_object(list(samples.prompts))
-        feedbacks = gather_object([row.get("privileged_context") for row in samples.rows])
-        has_feedback = [isinstance(f, str) and f.strip() != "" for f in feedbacks]
+        feedbacks = [row.get("privileged_context") for row in samples.rows]  # this process's rows, as the batch's
+        local_has_feedback = [int(isinstance(f, str) and f.strip() != "") for f in feedbacks]
+        has_feedback = batch.gather_global(batch.rewards.new_tensor(local_has_feedback).long()).bool().tolist()
         demos = [None] * len(rewards)
         if a.use_successful_as_teacher:
             threshold, exclude_self = a.success_reward_threshold, a.dont_reprompt_on_self_success
@@ -104,14 +103,14 @@ class SuccessfulRolloutContext(TeacherContext):
         self.log_context_metrics(mode, rewards, size, demos, has_feedback, use_feedback, mask)
         completions = self.global_completions(batch)
         teacher_prompts = []
-        for i in batch.row_index.tolist():
+        for i, prompt, feedback_raw in zip(batch.row_index.tolist(), samples.prompts, feedbacks, strict=True):
             solution = "" if demos[i] is None else self.solution_text(completions[demos[i]])
-            feedback = a.feedback_template.format(feedback_raw=feedbacks[i]) if use_feedback[i] else ""
+            feedback = a.feedback_template.format(feedback_raw=feedback_raw) if use_feedback[i] else ""
             if solution or feedback:
                 fields = dict(solution=solution, feedback=feedback)
-                teacher_prompts.append(fill_teacher_template(a.reprompt_template, prompts[i], **fields))
+                teacher_prompts.append(fill_teacher_template(a.reprompt_template, prompt, **fields))
             else:  # neither a demonstration nor feedback: the teacher reads the prompt unchanged
-                teacher_prompts.append(prompts[i])
+                teacher_prompts.append(prompt)
         return teacher_prompts
 
     def global_completions(self, batch: RolloutBatch) -> torch.Tensor:
